@@ -1,0 +1,168 @@
+"""Parquet I/O for event datasets: atomic writes, checked opens, and record validation at the edge.
+
+Layout of a dataset directory::
+
+    schema.json
+    train/part-00000.parquet ...
+    valid/...
+    test/...
+    quarantine/<split>-<shard>.parquet   (bad rows with a reason, under the quarantine policy)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from foundation.data.schema import EventSchema
+from foundation.data.validate import DataValidationError, find_bad_rows
+
+POLICIES = ("error", "quarantine")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_replace(tmp: Path, path: Path) -> Path:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def _tmp_beside(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` so that readers see the old file or the whole new one, never a part."""
+    path = Path(path)
+    tmp = _tmp_beside(path)
+    try:
+        tmp.write_text(text)
+        return _atomic_replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_table(table: pa.Table, path: str | Path, *, row_group_size: int = 8192) -> Path:
+    """Atomically write one Parquet shard (temp file, fsync, rename)."""
+    path = Path(path)
+    tmp = _tmp_beside(path)
+    try:
+        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+        return _atomic_replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def shard_path(dataset_dir: str | Path, split: str, shard: int) -> Path:
+    return Path(dataset_dir) / split / f"part-{shard:05d}.parquet"
+
+
+def list_shards(dataset_dir: str | Path, split: str) -> list[Path]:
+    split_dir = Path(dataset_dir) / split
+    if not split_dir.is_dir():
+        raise FileNotFoundError(f"{split_dir}: split {split!r} not found in dataset {dataset_dir}")
+    shards = sorted(split_dir.glob("*.parquet"))
+    if not shards:
+        raise FileNotFoundError(f"{split_dir}: no Parquet shards")
+    return shards
+
+
+class CorruptFileError(ValueError):
+    """A Parquet file that cannot be read: truncated, not Parquet, or damaged."""
+
+
+def open_shard(path: str | Path, schema: EventSchema) -> pq.ParquetFile:
+    """Open a shard and check its columns and types against ``schema``; raise naming what is wrong."""
+    path = Path(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CorruptFileError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from exc
+    check_columns(pf.schema_arrow, schema, where=str(path))
+    return pf
+
+
+def check_columns(actual: pa.Schema, schema: EventSchema, *, where: str) -> None:
+    expected = schema.arrow_schema()
+    missing = [n for n in expected.names if n not in actual.names]
+    extra = [n for n in actual.names if n not in expected.names]
+    if missing or extra:
+        raise DataValidationError(f"{where}: columns do not match the schema: missing {missing}, unexpected {extra}")
+    for f in expected:
+        got = actual.field(f.name).type
+        if got != f.type:
+            raise DataValidationError(f"{where}: column {f.name!r} has type {got}, expected {f.type}")
+
+
+def read_row_group(pf: pq.ParquetFile, index: int, *, where: str) -> pa.Table:
+    try:
+        return pf.read_row_group(index)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CorruptFileError(f"{where}: row group {index} is unreadable (truncated or corrupt?): {exc}") from exc
+
+
+@dataclass
+class QuarantineLog:
+    """Counts bad rows and writes them, with their reason, under ``<dataset>/quarantine/``."""
+
+    dataset_dir: Path
+    count: int = 0
+
+    def add(self, bad: pa.Table, source: Path, row_group: int) -> None:
+        self.count += bad.num_rows
+        out = self.dataset_dir / "quarantine" / f"{source.parent.name}-{source.stem}-rg{row_group:05d}.parquet"
+        write_table(bad, out)
+
+
+def iter_valid_row_groups(
+    shard: Path,
+    schema: EventSchema,
+    *,
+    policy: str = "error",
+    quarantine: QuarantineLog | None = None,
+    row_groups: list[int] | None = None,
+) -> Iterator[tuple[int, pa.Table]]:
+    """Yield ``(row_group_index, table)`` for the shard's row groups with bad rows handled by ``policy``.
+
+    ``error`` raises :class:`DataValidationError` naming the file, the row and the field;
+    ``quarantine`` drops bad rows from the yielded table and records them in ``quarantine``.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown bad-record policy {policy!r}; choose one of {POLICIES}")
+    pf = open_shard(shard, schema)
+    first_row = [0]
+    for i in range(pf.num_row_groups):
+        first_row.append(first_row[-1] + pf.metadata.row_group(i).num_rows)
+    for rg in row_groups if row_groups is not None else range(pf.num_row_groups):
+        table = read_row_group(pf, rg, where=str(shard))
+        bad_rows, reasons = find_bad_rows(table, schema)
+        if len(bad_rows):
+            if policy == "error":
+                row, reason = int(bad_rows[0]), reasons[0]
+                raise DataValidationError(f"{shard}: row {first_row[rg] + row}: {reason}")
+            bad = table.take(pa.array(bad_rows)).append_column("reason", pa.array(reasons, pa.string()))
+            bad = bad.append_column("source_row", pa.array(bad_rows + first_row[rg], pa.int64()))
+            if quarantine is None:
+                raise ValueError("policy 'quarantine' needs a QuarantineLog")
+            quarantine.add(bad, shard, rg)
+            keep = pa.array(sorted(set(range(table.num_rows)) - set(bad_rows.tolist())), pa.int64())
+            table = table.take(keep)
+        yield rg, table
