@@ -1,0 +1,144 @@
+"""Teacher embeddings, all through torchrec for the sparse tables so that ``foundation.parallel`` can shard them.
+
+- :class:`ItemEmbedding`: an ``EmbeddingCollection`` (non-pooled) over item ids, one table shared by
+  the history, the candidate and the generative objective's negatives;
+- :class:`SparseFeatureEmbedding`: an ``EmbeddingBagCollection`` (mean-pooled bags) over the
+  schema's non-sequence categorical features;
+- :class:`HistoryEmbedding`: one token per history event from its item plus action, domain and
+  age (time before the impression) embeddings, and optionally its absolute position.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from foundation.data.batch import JaggedBatch
+from foundation.data.schema import EventSchema
+from foundation.model.jagged import token_positions, token_rows
+from foundation.model.teacher_config import TeacherConfig
+
+ITEM_FEATURE = "item_id"
+ITEM_TABLE = "t_item"
+# Ages use HSTU's log time bucketing (ln|dt| / 0.301), the scale of the attention's time bias.
+AGE_BUCKET_DIVISOR = 0.301
+
+
+def log_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """``[N]`` int64 ``min(floor(ln(max(|dt|, 1)) / 0.301), num_buckets - 1)``."""
+    x = dt.abs().clamp(min=1).to(torch.float32)
+    return (torch.log(x) / AGE_BUCKET_DIVISOR).floor().to(torch.int64).clamp(0, num_buckets - 1)
+
+
+class ItemEmbedding(nn.Module):
+    """Item id -> ``[item_dim]`` through a torchrec ``EmbeddingCollection`` keyed ``item_id``."""
+
+    def __init__(self, num_items: int, item_dim: int) -> None:
+        super().__init__()
+        self.num_items = num_items
+        # HSTU initialises item embeddings with a truncated normal of std 0.02.
+        table = EmbeddingConfig(
+            name=ITEM_TABLE,
+            embedding_dim=item_dim,
+            num_embeddings=num_items,
+            feature_names=[ITEM_FEATURE],
+            init_fn=partial(nn.init.trunc_normal_, std=0.02),
+        )
+        self.collection = EmbeddingCollection(tables=[table])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids[N]`` int64 -> ``[N, item_dim]``; all ids go in one bag (order preserved)."""
+        lengths = torch.full((1,), ids.numel(), dtype=torch.int32, device=ids.device)
+        kjt = KeyedJaggedTensor(keys=[ITEM_FEATURE], values=ids, lengths=lengths)
+        return self.collection(kjt)[ITEM_FEATURE].values()
+
+    def all_items(self, device: torch.device) -> torch.Tensor:
+        """``[num_items, item_dim]``: every row of the table, looked up like any other ids."""
+        return self(torch.arange(self.num_items, device=device))
+
+
+class SparseFeatureEmbedding(nn.Module):
+    """The schema's categorical features -> one mean-pooled ``[B, d]`` vector per feature.
+
+    ``forward`` returns ``(user_tokens[B, F_user, d], item_tokens[B, F_item, d])``; a side without
+    features yields ``[B, 0, d]``.
+    """
+
+    def __init__(self, schema: EventSchema, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.user_names = [f.name for f in schema.user_features]
+        self.item_names = [f.name for f in schema.item_features]
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t_{f.name}",
+                embedding_dim=dim,
+                num_embeddings=f.cardinality,
+                feature_names=[f.name],
+                pooling=PoolingType.MEAN,
+            )
+            for f in schema.sparse
+        ]
+        self.collection = EmbeddingBagCollection(tables=tables) if tables else None
+
+    def forward(self, sparse: KeyedJaggedTensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.collection is None:
+            empty = torch.zeros(batch_size, 0, self.dim, device=sparse.values().device)
+            return empty, empty
+        pooled = self.collection(sparse).to_dict()
+
+        def stack(names: list[str]) -> torch.Tensor:
+            if not names:
+                return next(iter(pooled.values())).new_zeros(batch_size, 0, self.dim)
+            return torch.stack([pooled[n] for n in names], dim=1)
+
+        return stack(self.user_names), stack(self.item_names)
+
+
+class HistoryEmbedding(nn.Module):
+    """History events -> ``tokens[L, d_model]`` (jagged, same ``offsets`` as the batch).
+
+    A token is ``sqrt(d) * item + action + domain + age (+ absolute position)``, then dropout. The
+    ``sqrt(d)`` scale follows HSTU, whose item table is initialised small (std 0.02).
+    """
+
+    def __init__(self, cfg: TeacherConfig, schema: EventSchema, items: ItemEmbedding) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.items = items
+        self.item_proj = nn.Identity() if cfg.item_dim == d else nn.Linear(cfg.item_dim, d, bias=False)
+        self.scale = math.sqrt(d)
+        features = set(cfg.history_features)
+        self.action = nn.Embedding(schema.num_actions, d) if "action" in features else None
+        self.domain = nn.Embedding(schema.num_domains, d) if "domain" in features else None
+        self.age = nn.Embedding(cfg.age_buckets, d) if "age" in features else None
+        self.age_buckets = cfg.age_buckets
+        self.position = nn.Embedding(cfg.max_len, d) if cfg.abs_pos_emb else None
+        if self.position is not None:
+            nn.init.trunc_normal_(self.position.weight, std=math.sqrt(1.0 / d))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def embed_items(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids[N]`` -> ``[N, d_model]`` item part of a token (also used for the candidate token)."""
+        return self.scale * self.item_proj(self.items(ids))
+
+    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+        history = batch.history
+        tokens = self.embed_items(history["item_ids"])
+        if self.action is not None:
+            tokens = tokens + self.action(history["actions"])
+        if self.domain is not None:
+            tokens = tokens + self.domain(history["domains"])
+        rows = token_rows(batch.offsets, tokens.shape[0])
+        if self.age is not None:
+            age = batch.timestamp[rows] - history["timestamps"]
+            tokens = tokens + self.age(log_bucket(age, self.age_buckets))
+        if self.position is not None:
+            positions = token_positions(batch.offsets, rows).clamp(max=self.position.num_embeddings - 1)
+            tokens = tokens + self.position(positions)
+        return self.dropout(tokens)

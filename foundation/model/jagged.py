@@ -1,0 +1,95 @@
+"""Index helpers for jagged token batches (``tokens[L, ...]`` with ``offsets[B+1]``), never padding.
+
+All helpers build gather indices on the tokens' device without host syncs, so they run the same on
+CPU and GPU and stay differentiable with respect to the gathered tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def token_rows(offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[L]`` row (sequence) index of every token, from ``offsets[B+1]``."""
+    lengths = offsets[1:] - offsets[:-1]
+    rows = torch.arange(lengths.numel(), device=offsets.device)
+    return torch.repeat_interleave(rows, lengths, output_size=num_tokens)
+
+
+def token_positions(offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[L]`` position of every token inside its sequence (0 = oldest)."""
+    return torch.arange(rows.numel(), device=rows.device) - offsets[rows]
+
+
+def gather_rows(tokens: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """``tokens[index]`` where ``valid`` else ``fill``; safe when ``tokens`` is empty.
+
+    Args:
+        tokens: ``[L, D]``.
+        index: ``[...]`` int64 into ``tokens`` (ignored where not valid).
+        valid: ``[...]`` bool.
+        fill: broadcastable to ``[..., D]``.
+    """
+    if tokens.shape[0] == 0:
+        return fill.expand(*index.shape, tokens.shape[-1]).to(tokens.dtype)
+    picked = tokens[index.clamp(0, tokens.shape[0] - 1)]
+    return torch.where(valid.unsqueeze(-1), picked, fill.to(picked.dtype))
+
+
+def last_tokens(tokens: torch.Tensor, offsets: torch.Tensor, k: int, fill: torch.Tensor) -> torch.Tensor:
+    """The ``k`` most recent tokens of every sequence, oldest first: ``[B, k, D]``.
+
+    Slots before the start of a shorter sequence hold ``fill`` (``[k, D]`` or ``[D]``).
+    """
+    index = offsets[1:, None] - k + torch.arange(k, device=offsets.device)
+    valid = index >= offsets[:-1, None]
+    return gather_rows(tokens, index, valid, fill)
+
+
+@dataclass
+class SuffixLayout:
+    """Where ``S`` per-row suffix tokens (CLS, candidate) sit once appended after every history.
+
+    Row ``b`` of the combined sequence is ``[history_b (n_b tokens), suffix_b (S tokens)]``, so the
+    suffix tokens are the last ``S`` tokens of each sequence: the attention kernel's targets.
+
+    Attributes:
+        offsets: ``[B+1]`` offsets of the combined sequences.
+        history_index: ``[L]`` where each history token lands.
+        suffix_index: ``[B, S]`` where each suffix token lands.
+        order: ``[L + B*S]`` gather index from ``cat(history, suffix.flatten(0, 1))`` to combined.
+        num_suffix: ``S``.
+    """
+
+    offsets: torch.Tensor
+    history_index: torch.Tensor
+    suffix_index: torch.Tensor
+    order: torch.Tensor
+    num_suffix: int
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor, num_tokens: int, num_suffix: int) -> SuffixLayout:
+        device = offsets.device
+        batch = offsets.numel() - 1
+        rows = token_rows(offsets, num_tokens)
+        combined_offsets = offsets + torch.arange(batch + 1, device=device) * num_suffix
+        history_index = torch.arange(num_tokens, device=device) + rows * num_suffix
+        suffix_index = combined_offsets[1:, None] - num_suffix + torch.arange(num_suffix, device=device)
+        order = torch.empty(num_tokens + batch * num_suffix, dtype=torch.int64, device=device)
+        order[history_index] = torch.arange(num_tokens, device=device)
+        order[suffix_index.flatten()] = num_tokens + torch.arange(batch * num_suffix, device=device)
+        return cls(combined_offsets, history_index, suffix_index, order, num_suffix)
+
+    def combine(self, history: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
+        """``history[L, ...]`` and ``suffix[B, S, ...]`` -> combined ``[L + B*S, ...]``."""
+        return torch.cat([history, suffix.flatten(0, 1)])[self.order]
+
+    def split(self, combined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Combined ``[L + B*S, ...]`` -> ``(history[L, ...], suffix[B, S, ...])``."""
+        return combined[self.history_index], combined[self.suffix_index]
+
+    def num_targets(self) -> torch.Tensor:
+        """``[B]``: every row's suffix tokens are attention targets."""
+        return torch.full_like(self.offsets[1:], self.num_suffix)

@@ -1,0 +1,18 @@
+"""One place that maps ``model.arch`` to a builder; the harness never imports a model class directly."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from foundation.config import ModelConfig
+from foundation.data.schema import EventSchema
+from foundation.model.baseline import DLRMBaseline
+
+
+def build_model(cfg: ModelConfig, schema: EventSchema) -> nn.Module:
+    builders = {
+        "dlrm": lambda: DLRMBaseline(cfg.dlrm, schema, cfg.loss_weights),
+    }
+    if cfg.arch not in builders:
+        raise ValueError(f"unknown model.arch {cfg.arch!r}; choose one of {sorted(builders)}")
+    return builders[cfg.arch]()

@@ -1,0 +1,196 @@
+"""``TeacherConfig``: the typed configuration of the GEM teacher, and its named flavors.
+
+This module imports no torch so that config tooling (flavor registry, CLI overrides) stays light.
+Every field is an ``int``, ``float``, ``bool``, ``str``, ``tuple`` or ``dict`` so that dotted CLI
+overrides (``model.teacher.num_layers=4``) can parse it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+INTERACTIONS = ("wukong", "dcnv2")
+HISTORY_FEATURES = ("action", "domain", "age")
+
+
+@dataclass
+class TeacherConfig:
+    """Sizes and switches of the GEM teacher (see :mod:`foundation.model.teacher` for the architecture).
+
+    Sequence arch (HSTU, arXiv 2402.17152):
+        d_model: token width of the sequence and interaction arches.
+        num_layers, num_heads: HSTU blocks and attention heads.
+        attn_dim, value_dim: per-head query/key and value widths.
+        attn_alpha: scale on ``QKᵀ``; None means ``1/sqrt(attn_dim)``.
+        max_len: the longest history the model is sized for (relative-position buckets and the
+            absolute position table); longer distances share the last bucket.
+        time_buckets: log time-difference buckets of the relative time bias (0 disables it).
+        dropout: on input embeddings, inside blocks, and in MLPs.
+        abs_pos_emb: add a learned absolute position embedding to history tokens (HSTU's ML-1M
+            preprocessor does).
+        history_features: side features embedded into each history token besides its item:
+            ``action``, ``domain`` and ``age`` (log bucket of impression time minus event time).
+        age_buckets: buckets of the ``age`` feature.
+        item_dim: width of the item embedding table (shared by history, candidate and the
+            generative objective); projected to ``d_model`` when they differ.
+
+    InterFormer interleaving (arXiv 2411.09852):
+        interleave: per layer, condition the sequence on the non-sequence summary (personalised
+            FFN) and feed a sequence summary into the interaction arch.
+        num_cls: CLS tokens appended to every sequence (they attend to the history only).
+        num_pma_seeds: PMA seed tokens cross-attending to the history, per layer.
+        num_recent: the K most recent history tokens added to the summary.
+        pffn_hidden: hidden width of the personalised FFN.
+        target_aware: append the candidate as a target token that attends to the history (ctr).
+
+    Interaction arch for non-sequence features:
+        interaction: ``wukong`` (arXiv 2403.02545) or ``dcnv2``.
+        interaction_tokens: tokens each interaction block emits.
+        num_final_interaction_blocks: blocks of the candidate-aware interaction stack.
+        wukong_rank: rank of Wukong's optimised FM projection.
+        wukong_hidden: hidden width of Wukong's FM MLP.
+        dcn_rank, dcn_cross_layers: low-rank width and depth of a DCNv2 block.
+
+    Multi-domain, multi-task output:
+        num_shared_experts, num_domain_experts: experts shared by every domain, and per domain.
+        expert_hidden, expert_dim: expert MLP widths.
+        repr_dim: width of ``user_repr`` / ``item_repr`` for ctr data (next_item data uses
+            ``item_dim``, the retrieval space).
+        loss_weights: task -> weight of its masked BCE.
+
+    Generative next-item objective (always on for next_item data, optional for ctr):
+        generative: add the next-item loss to the ctr loss.
+        generative_weight: its weight in the ctr loss.
+        num_negatives: uniform negatives per position.
+        in_batch_negatives: also use the batch's candidates as negatives.
+        temperature: softmax temperature on cosine similarities.
+    """
+
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    attn_dim: int = 32
+    value_dim: int = 32
+    attn_alpha: float | None = None
+    max_len: int = 256
+    time_buckets: int = 64
+    dropout: float = 0.1
+    abs_pos_emb: bool = False
+    history_features: tuple[str, ...] = HISTORY_FEATURES
+    age_buckets: int = 48
+    item_dim: int = 64
+
+    interleave: bool = True
+    num_cls: int = 2
+    num_pma_seeds: int = 2
+    num_recent: int = 4
+    pffn_hidden: int = 128
+    target_aware: bool = True
+
+    interaction: str = "wukong"
+    interaction_tokens: int = 8
+    num_final_interaction_blocks: int = 2
+    wukong_rank: int = 8
+    wukong_hidden: int = 256
+    dcn_rank: int = 32
+    dcn_cross_layers: int = 2
+
+    num_shared_experts: int = 2
+    num_domain_experts: int = 1
+    expert_hidden: int = 256
+    expert_dim: int = 64
+    repr_dim: int = 64
+    loss_weights: dict[str, float] = field(default_factory=lambda: {"click": 1.0, "conversion": 1.0})
+
+    generative: bool = False
+    generative_weight: float = 0.1
+    num_negatives: int = 128
+    in_batch_negatives: bool = False
+    temperature: float = 0.05
+
+    def __post_init__(self) -> None:
+        self.history_features = tuple(self.history_features)
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(f"teacher.interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        unknown = set(self.history_features) - set(HISTORY_FEATURES)
+        if unknown:
+            raise ValueError(f"teacher.history_features: unknown {sorted(unknown)}; valid: {HISTORY_FEATURES}")
+        positive = ("d_model", "num_layers", "num_heads", "attn_dim", "value_dim", "max_len", "item_dim",
+                    "interaction_tokens", "expert_dim", "repr_dim", "num_negatives")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"teacher.{name} must be positive, got {getattr(self, name)}")
+        if self.num_shared_experts + self.num_domain_experts < 1:
+            raise ValueError("teacher needs at least one expert (shared or per domain)")
+        if not 0.0 <= self.dropout < 1.0 or self.temperature <= 0:
+            raise ValueError("teacher.dropout must be in [0, 1) and teacher.temperature positive")
+
+    @property
+    def pos_buckets(self) -> int:
+        """Relative-position buckets: every distance inside a full sequence plus its CLS/target tokens."""
+        return self.max_len + self.num_cls + 2
+
+    def replace(self, **changes) -> TeacherConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _ml1m(num_layers: int, num_heads: int) -> TeacherConfig:
+    """HSTU's published ML-1M setup: item ids only, relative position+time bias, d=50, dropout 0.2,
+    sampled softmax with 128 uniform negatives at temperature 0.05 on L2-normalised embeddings."""
+    return TeacherConfig(
+        d_model=50,
+        item_dim=50,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        attn_dim=50 // num_heads,
+        value_dim=50 // num_heads,
+        max_len=200,
+        time_buckets=128,
+        dropout=0.2,
+        abs_pos_emb=True,
+        history_features=(),
+        interleave=False,
+        num_cls=0,
+        num_pma_seeds=0,
+        num_recent=0,
+        target_aware=False,
+        num_negatives=128,
+        in_batch_negatives=False,
+        temperature=0.05,
+    )
+
+
+TEACHER_FLAVORS: dict[str, TeacherConfig] = {
+    # Seconds on a CPU: every block present, tiny widths.
+    "debug": TeacherConfig(
+        d_model=32, item_dim=32, num_layers=2, num_heads=2, attn_dim=16, value_dim=16, max_len=64,
+        time_buckets=32, num_cls=2, num_pma_seeds=2, num_recent=4, pffn_hidden=64, interaction_tokens=6,
+        num_final_interaction_blocks=1, wukong_rank=4, wukong_hidden=64, dcn_rank=16, expert_hidden=64,
+        expert_dim=32, repr_dim=32, num_negatives=32,
+    ),
+    "small": TeacherConfig(
+        d_model=128, item_dim=128, num_layers=4, num_heads=4, attn_dim=32, value_dim=32, max_len=256,
+        num_cls=4, num_pma_seeds=4, num_recent=8, pffn_hidden=256, interaction_tokens=16,
+        num_final_interaction_blocks=2, wukong_rank=16, wukong_hidden=512, expert_hidden=512,
+        expert_dim=128, num_shared_experts=4, num_domain_experts=2, repr_dim=128,
+    ),
+    # Sized for one H200 with long sequences (pair with a token budget of ~64k-128k per batch).
+    "large": TeacherConfig(
+        d_model=1024, item_dim=256, num_layers=16, num_heads=8, attn_dim=128, value_dim=128, max_len=4096,
+        time_buckets=128, num_cls=8, num_pma_seeds=16, num_recent=32, pffn_hidden=2048,
+        interaction_tokens=32, num_final_interaction_blocks=3, wukong_rank=32, wukong_hidden=4096,
+        dcn_rank=256, expert_hidden=4096, expert_dim=1024, num_shared_experts=8, num_domain_experts=4,
+        repr_dim=256, num_negatives=512,
+    ),
+    "ml1m_hstu": _ml1m(num_layers=2, num_heads=1),
+    "ml1m_hstu_large": _ml1m(num_layers=8, num_heads=2),
+}
+
+
+def teacher_flavor(name: str) -> TeacherConfig:
+    """A fresh copy of a named flavor (callers may mutate it)."""
+    if name not in TEACHER_FLAVORS:
+        raise KeyError(f"unknown teacher flavor {name!r}; known: {sorted(TEACHER_FLAVORS)}")
+    return copy.deepcopy(TEACHER_FLAVORS[name])

@@ -1,0 +1,378 @@
+"""Training harness: LightningModule, DataModule, ``train()`` and ``evaluate()``, tracked in MLflow.
+
+The path a newcomer should read: ``train(cfg)`` builds the :class:`EventDataModule` (Parquet ->
+``JaggedBatch``), the :class:`RecModule` (any model from ``foundation.model.registry``), a
+Lightning ``Trainer`` with ``ModelCheckpoint`` and an ``MLFlowLogger``, then fits, resuming from
+``last.ckpt`` when the run directory has one. ``evaluate(ckpt, split)`` scores a split and returns
+NE/AUC/calibration per task, overall and per domain, beside the oracle and base-rate predictors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import mlflow
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from foundation.config import ExperimentConfig, experiment_from_dict
+from foundation.data.batch import BatchPosition, JaggedBatch
+from foundation.data.io import fsync_dir
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
+from foundation.data.schema import TASKS, EventSchema
+from foundation.metrics import BinaryMetrics
+from foundation.model.registry import build_model
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def tracking_uri(cfg: ExperimentConfig) -> str:
+    return cfg.train.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+
+
+class EventDataModule(L.LightningDataModule):
+    """Train/val/test streams over one dataset directory; its state is the data position.
+
+    The training module reports every consumed batch (:meth:`record`); the position is saved in the
+    checkpoint, and on resume the streams skip what was consumed, so the run continues exactly.
+    """
+
+    def __init__(self, cfg: DataConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.schema = EventSchema.load(cfg.path)
+        self.epoch = 0
+        self.consumed: dict[int, int] = {}
+        self.next_worker_stream = 0
+        self.train_stream: EventStream | None = None
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self._trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _stream(self, split: str, training: bool) -> EventStream:
+        rank, world = self._rank_world()
+        return EventStream(self.cfg.path, split, self.cfg, training=training, rank=rank, world_size=world)
+
+    def train_dataloader(self):
+        self.train_stream = self._stream(self.cfg.train_split, training=True)
+        self.start_epoch(self.epoch)
+        return build_dataloader(self.train_stream, self.cfg)
+
+    def val_dataloader(self):
+        return build_dataloader(self._stream(self.cfg.eval_split, training=False), self.cfg)
+
+    def test_dataloader(self):
+        return build_dataloader(self._stream(self.cfg.test_split, training=False), self.cfg)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Point the train stream at ``epoch``; a restarted epoch keeps its consumed counts as skips."""
+        if epoch != self.epoch:
+            self.epoch, self.consumed, self.next_worker_stream = epoch, {}, 0
+        if self.train_stream is not None:
+            self.train_stream.set_epoch(epoch)
+            self.train_stream.set_skip(self.consumed, self.next_worker_stream)
+
+    def record(self, position: BatchPosition) -> None:
+        if position.epoch == self.epoch:
+            self.consumed[position.stream] = position.index + 1
+            self.next_worker_stream = (position.stream + 1) % max(self.cfg.num_workers, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": dict(self.consumed),
+            "next_worker_stream": self.next_worker_stream,
+            "num_workers": self.cfg.num_workers,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_workers"] != self.cfg.num_workers:
+            raise ValueError(
+                f"cannot resume exactly: the checkpoint was written with data.num_workers={state['num_workers']}, "
+                f"this run has {self.cfg.num_workers}"
+            )
+        self.epoch, self.consumed = state["epoch"], dict(state["consumed"])
+        self.next_worker_stream = state["next_worker_stream"]
+
+
+class PredictionLog:
+    """Collects predictions per task and domain across batches, for exact metrics at the end."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def add(self, batch: JaggedBatch, logits: dict[str, torch.Tensor]) -> None:
+        self.rows["domain"].append(batch.domain.cpu())
+        for task in TASKS:
+            if task not in logits:
+                continue
+            self.rows[f"{task}/prob"].append(torch.sigmoid(logits[task].detach().float()).cpu())
+            self.rows[f"{task}/label"].append(batch.labels[task].cpu())
+            self.rows[f"{task}/mask"].append(batch.label_mask[task].cpu())
+            if task in batch.oracle:
+                self.rows[f"{task}/oracle"].append(batch.oracle[task].cpu())
+
+    def metrics(self, num_domains: int, *, prefix: str = "") -> dict[str, float]:
+        """``{f"{prefix}{task}/{metric}": v, f"{prefix}{task}/{metric}/d{k}": v_k, ...}``."""
+        if not self.rows:
+            return {}
+        cat = {k: torch.cat(v) for k, v in self.rows.items()}
+        out: dict[str, float] = {}
+        for task in TASKS:
+            if f"{task}/prob" not in cat:
+                continue
+            groups = {"": torch.ones_like(cat["domain"], dtype=torch.bool)}
+            groups.update({f"/d{k}": cat["domain"] == k for k in range(num_domains)})
+            for suffix, rows in groups.items():
+                mask = cat[f"{task}/mask"] & rows
+                for name, preds in (("", cat[f"{task}/prob"]), ("oracle_", cat.get(f"{task}/oracle"))):
+                    if preds is None:
+                        continue
+                    acc = BinaryMetrics()
+                    acc.update(preds, cat[f"{task}/label"], mask)
+                    for metric, value in acc.compute().items():
+                        if metric in ("ne", "auc", "calibration", "logloss", "count", "base_rate"):
+                            out[f"{prefix}{task}/{name}{metric}{suffix}"] = float(value)
+        return out
+
+
+class RecModule(L.LightningModule):
+    """Trains any registered model on ``JaggedBatch`` es; logs loss and NE/AUC/calibration."""
+
+    def __init__(self, config: dict[str, Any], schema: dict[str, Any]) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.cfg = experiment_from_dict(config)
+        self.schema = EventSchema(**schema)
+        self.model = build_model(self.cfg.model, self.schema)
+        self.val_log = PredictionLog()
+
+    def transfer_batch_to_device(self, batch: JaggedBatch, device: torch.device, dataloader_idx: int) -> JaggedBatch:
+        return batch.to(device, non_blocking=True)
+
+    def training_step(self, batch: JaggedBatch, batch_idx: int) -> torch.Tensor:
+        out = self.model(batch)
+        losses = self.model.loss(batch, out)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and batch.position is not None:
+            datamodule.record(batch.position)
+        for name, value in losses.items():
+            self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=batch.batch_size)
+        self.log("train/tokens", float(batch.num_tokens), reduce_fx="sum", batch_size=batch.batch_size)
+        return losses["loss"]
+
+    def validation_step(self, batch: JaggedBatch, batch_idx: int) -> None:
+        out = self.model(batch)
+        losses = self.model.loss(batch, out)
+        self.log("val/loss", losses["loss"], prog_bar=True, batch_size=batch.batch_size)
+        self.val_log.add(batch, out.logits)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.val_log.metrics(self.schema.num_domains, prefix="val/")
+        self.val_log = PredictionLog()
+        if not self.trainer.sanity_checking:
+            self.log_dict({k: v for k, v in metrics.items() if np.isfinite(v)}, batch_size=1)
+
+    def on_train_epoch_start(self) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            datamodule.start_epoch(self.current_epoch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_state"] = torch.get_rng_state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "rng_state" in checkpoint:
+            torch.set_rng_state(checkpoint["rng_state"])
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write checkpoints to a temp file, fsync, then rename: a kill never leaves a partial checkpoint."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
+        return load_checkpoint_file(path, map_location or "cpu")
+
+
+def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True`` (no pickle code execution), with a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: checkpoint not found")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"{path}: unreadable checkpoint (truncated or corrupt?): {exc}") from exc
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run_dir(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.train.out_dir) / cfg.name
+
+
+def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Trainer:
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir(cfg) / "checkpoints",
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=cfg.train.checkpoint_every_n_steps,
+    )
+    callbacks = [checkpoint]
+    if cfg.train.progress_bar:
+        callbacks.append(TQDMProgressBar(refresh_rate=10))
+    return L.Trainer(
+        accelerator=cfg.train.accelerator,
+        devices=cfg.train.devices,
+        precision=cfg.train.precision,
+        max_epochs=cfg.train.max_epochs,
+        max_steps=cfg.train.max_steps,
+        gradient_clip_val=cfg.train.grad_clip or None,
+        log_every_n_steps=cfg.train.log_every_n_steps,
+        val_check_interval=cfg.train.val_check_interval,
+        num_sanity_val_steps=0,
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
+        enable_progress_bar=cfg.train.progress_bar,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+
+
+def quarantine_count(dataset_dir: str | Path) -> int:
+    import pyarrow.parquet as pq
+
+    qdir = Path(dataset_dir) / "quarantine"
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in qdir.glob("*.parquet")) if qdir.is_dir() else 0
+
+
+def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
+    """Fit ``cfg`` and return ``{"run_id", "checkpoint", "checkpoint_sha256", "metrics"}``.
+
+    With ``resume`` and an existing ``last.ckpt`` under the run directory, training continues from it
+    (model, optimizer, RNG and data position), in the same MLflow run.
+    """
+    L.seed_everything(cfg.train.seed, workers=True)
+    datamodule = EventDataModule(cfg.data)
+    module = RecModule(cfg.to_dict(), json.loads(datamodule.schema.to_json()))
+    out = run_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    last = out / "checkpoints" / "last.ckpt"
+    run_id_file = out / "mlflow_run_id"
+    resuming = resume and last.is_file()
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    mlflow.set_experiment(cfg.train.experiment)
+    run_id = run_id_file.read_text().strip() if resuming and run_id_file.is_file() else None
+    with mlflow.start_run(run_id=run_id, run_name=cfg.name, log_system_metrics=True) as run:
+        if run_id is None:
+            mlflow.log_params(cfg.flat())
+            mlflow.log_dict(cfg.to_dict(), "config.json")
+            mlflow.set_tags({"gem.stage": "train", "gem.flavor": cfg.name, "gem.dataset": str(cfg.data.path)})
+            (out / "mlflow_run_id").write_text(run.info.run_id)
+        logger = MLFlowLogger(
+            experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run.info.run_id
+        )
+        trainer = build_trainer(cfg, logger)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None)
+        trainer.save_checkpoint(last)
+        sha = sha256_file(last)
+        mlflow.log_metric("data/quarantined_rows", quarantine_count(cfg.data.path))
+        mlflow.log_dict({"path": str(last.resolve()), "sha256": sha}, "checkpoint.json")
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        return {"run_id": run.info.run_id, "checkpoint": str(last), "checkpoint_sha256": sha, "metrics": metrics}
+
+
+def load_module(ckpt_path: str | Path) -> RecModule:
+    ckpt = load_checkpoint_file(ckpt_path)
+    hp = ckpt.get("hyper_parameters")
+    if not hp or "config" not in hp or "schema" not in hp:
+        raise ValueError(f"{ckpt_path}: not a gem training checkpoint (no config/schema hyper-parameters)")
+    module = RecModule(hp["config"], hp["schema"])
+    module.load_state_dict(ckpt["state_dict"])
+    return module.eval()
+
+
+@torch.inference_mode()
+def predict_split(module: RecModule, data_cfg: DataConfig, split: str) -> PredictionLog:
+    log = PredictionLog()
+    stream = EventStream(data_cfg.path, split, data_cfg, training=False)
+    for batch in build_dataloader(stream, data_cfg):
+        log.add(batch, module.model(batch).logits)
+    return log
+
+
+def evaluate(ckpt_path: str | Path, split: str = "test", *, data_path: str | None = None) -> dict[str, Any]:
+    """Score ``split`` with a checkpoint; returns metrics beside the oracle and base-rate predictors."""
+    module = load_module(ckpt_path)
+    data_cfg = module.cfg.data
+    if data_path:
+        data_cfg.path = data_path
+    log = predict_split(module, data_cfg, split)
+    metrics = log.metrics(module.schema.num_domains)
+    metrics.update(base_rate_metrics(log, module.schema.num_domains, data_cfg))
+    return {"checkpoint": str(ckpt_path), "split": split, "flavor": module.cfg.name, "metrics": metrics}
+
+
+def base_rate_metrics(log: PredictionLog, num_domains: int, data_cfg: DataConfig) -> dict[str, float]:
+    """NE/AUC of the trivial predictor that outputs the training base rate of each task (and domain)."""
+    from foundation.data.io import iter_valid_row_groups, list_shards
+
+    schema = EventSchema.load(data_cfg.path)
+    pos, cnt = defaultdict(float), defaultdict(float)
+    for shard in list_shards(data_cfg.path, data_cfg.train_split):
+        for _, table in iter_valid_row_groups(shard, schema, policy="quarantine", quarantine=_NullQuarantine()):
+            for task in TASKS:
+                col = table.column(task)
+                pos[task] += float(np.nansum(col.to_numpy(zero_copy_only=False).astype(np.float64)))
+                cnt[task] += len(col) - col.null_count
+    cat = {k: torch.cat(v) for k, v in log.rows.items()}
+    out = {}
+    for task in TASKS:
+        if f"{task}/prob" not in cat or not cnt[task]:
+            continue
+        rate = torch.full_like(cat[f"{task}/prob"], pos[task] / cnt[task])
+        acc = BinaryMetrics()
+        acc.update(rate, cat[f"{task}/label"], cat[f"{task}/mask"])
+        res = acc.compute()
+        out[f"{task}/base_rate_ne"] = float(res["ne"])
+        out[f"{task}/base_rate_auc"] = float(res["auc"])
+    return out
+
+
+class _NullQuarantine:
+    """Counts bad rows without writing them (base-rate estimation must not touch the dataset)."""
+
+    count = 0
+
+    def add(self, bad, source, row_group) -> None:
+        self.count += bad.num_rows

@@ -1,0 +1,451 @@
+"""Triton kernels for jagged self- and cross-attention (softmax and pointwise GDPA), fwd and bwd.
+
+One program owns one (sequence, head, row block). The grid is ``(B * H, row blocks of the
+longest sequence)`` with the row-block axis walked from the last block down: programs past the
+end of their sequence return at once, and the longest (causal: the costliest) blocks start
+first, so short sequences fill the gaps that the long ones leave. Key tiles that no mask can
+touch (inside the causal triangle, inside the history, inside the sequence) run a mask-free
+loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block.
+
+Backward is two kernels with no atomics on Q/K/V: one per key block accumulates dK and dV over
+its query blocks, one per query block accumulates dQ (and the bias-table gradients, the only
+atomics). The mask semantics are those of :mod:`kernels.pytorch.jagged_attention`.
+
+Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pytorch.jagged_attention import TIME_BUCKET_DIVISOR
+
+_ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
+_LOG2E = 1.4426950408889634
+_INV_SQRT2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    if FAST:
+        # tanh.approx is one MUFU op where exp + reciprocal are two; MUFU throughput is what
+        # bounds pointwise attention once the matmuls run on wgmma.
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return 0.5 * t + 0.5
+    else:
+        return tl.sigmoid(x)
+
+
+@triton.jit
+def _act_fwd(s, ACT: tl.constexpr, FAST: tl.constexpr):
+    if ACT == 1:
+        return s * _sigmoid(s, FAST)
+    elif ACT == 2:
+        return 0.5 * s * (1.0 + tl.erf(s * _INV_SQRT2))
+    elif ACT == 3:
+        return tl.maximum(s, 0.0)
+    else:
+        return s
+
+
+@triton.jit
+def _act_fwd_bwd(s, ACT: tl.constexpr, FAST: tl.constexpr):
+    """(f(s), f'(s)) for the pointwise activations."""
+    if ACT == 1:
+        sig = _sigmoid(s, FAST)
+        return s * sig, sig * (1.0 + s * (1.0 - sig))
+    elif ACT == 2:
+        cdf = 0.5 * (1.0 + tl.erf(s * _INV_SQRT2))
+        return s * cdf, cdf + s * tl.exp(-0.5 * s * s) * _INV_SQRT_2PI
+    elif ACT == 3:
+        return tl.maximum(s, 0.0), tl.where(s > 0.0, 1.0, 0.0)
+    else:
+        return s, tl.full(s.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _mask(qi, kj, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Attend mask for broadcastable 2-D query positions ``qi`` and key positions ``kj``."""
+    valid = (kj < kv_len) & (qi >= 0)
+    if CAUSAL:
+        valid = valid & (kj <= qi)
+    if HAS_TARGETS:
+        valid = valid & ((kj < n_hist) | (kj == qi))
+    if HAS_WINDOW:
+        d = tl.minimum(qi, n_hist) - tl.minimum(kj, n_hist)
+        valid = valid & (tl.abs(d) < window)
+    return valid
+
+
+@triton.jit
+def _bias_index(qi, kj, n_hist, ts_q, ts_k, P_SIZE, T_SIZE, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr):
+    """Bias-table indices of each pair (position bucket, time bucket); unused ones are 0."""
+    pos_idx = qi * 0 + kj * 0
+    time_idx = pos_idx
+    if HAS_PB:
+        d = tl.abs(tl.minimum(qi, n_hist) - tl.minimum(kj, n_hist))
+        pos_idx = tl.minimum(d, P_SIZE - 1)
+    if HAS_TB:
+        dt = tl.maximum(tl.abs(ts_q - ts_k).to(tl.float32), 1.0)
+        bucket = tl.floor(tl.log(dt) / TIME_BUCKET_DIVISOR).to(tl.int32)
+        time_idx = tl.minimum(tl.maximum(bucket, 0), T_SIZE - 1)
+    return pos_idx, time_idx
+
+
+@triton.jit
+def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr):
+    if HAS_PB:
+        s += tl.load(pb_ptr + pos_idx).to(tl.float32)
+    if HAS_TB:
+        s += tl.load(tb_ptr + time_idx).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
+    kv_len, n_hist, window, alpha, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        row_ok = offs_n[:, None] < kv_len
+        k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :], mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :], mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * alpha
+        if HAS_PB or HAS_TB:
+            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
+            pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
+            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB)
+        if ACT == 0:
+            if MASKED:
+                valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
+                s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if MASKED:
+                m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new_safe = m_new
+            p = tl.math.exp2((s - m_new_safe[:, None]) * _LOG2E)
+            corr = tl.math.exp2((m_i - m_new_safe) * _LOG2E)
+            l_i = l_i * corr + tl.sum(p, 1)
+            acc = acc * corr[:, None]
+            m_i = m_new
+        else:
+            p = _act_fwd(s, ACT, FAST)
+            if MASKED:
+                valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
+                p = tl.where(valid, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS: tl.constexpr):
+    q_start = tl.load(Q_OFF + b)
+    q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(KV_OFF + b)
+    kv_len = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
+    n_hist = kv_len
+    if HAS_TARGETS:
+        n_hist = kv_len - tl.load(NT + b).to(tl.int32)
+    return q_start, q_len, kv_start, kv_len, n_hist
+
+
+@triton.jit
+def _key_ranges(m_start, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key-tile ranges of a query block: [lo, full_hi) needs no mask, [full_hi, hi) does."""
+    if CAUSAL:
+        hi = tl.minimum(m_start + BLOCK_M, kv_len)
+    else:
+        hi = kv_len
+    if HAS_WINDOW:
+        lo = tl.maximum(tl.minimum(m_start, n_hist) - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_hi = lo
+    else:
+        lo = 0
+        if CAUSAL:
+            full_hi = tl.minimum(m_start, n_hist) // BLOCK_N * BLOCK_N
+        else:
+            full_hi = n_hist // BLOCK_N * BLOCK_N
+    return lo, full_hi, hi
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, TS, PB, TB,
+    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
+    stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
+    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
+    m_start = pid_m * BLOCK_M
+    if m_start >= q_len:
+        return
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ok = offs_m < q_len
+    q = tl.load(Q + q_start * stride_qm + h * stride_qh + offs_m[:, None] * stride_qm + offs_dqk[None, :],
+                mask=q_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
+    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0) if HAS_TB else offs_m
+    k_base = K + kv_start * stride_km + h * stride_kh
+    v_base = V + kv_start * stride_vm + h * stride_vh
+    ts_base = TS + kv_start
+    pb_ptr = PB + h * stride_pbh
+    tb_ptr = TB + h * stride_tbh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
+        kv_len, n_hist, window, alpha, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+    )
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
+        kv_len, n_hist, window, alpha, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+    )
+    if ACT == 0:
+        empty = l_i == 0.0
+        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, 0.0, m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=q_ok)
+    else:
+        acc = acc * inv_n
+    tl.store(O + q_start * stride_om + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :],
+             acc.to(O.dtype.element_ty), mask=q_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _bwd_dq_tiles(
+    dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, hi,
+    kv_len, n_hist, window, alpha, inv_n, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
+    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        row_ok = offs_n[:, None] < kv_len
+        k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :], mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :], mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * alpha
+        if HAS_PB or HAS_TB:
+            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
+            pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
+            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB)
+        dp = tl.dot(do, tl.trans(v))
+        if ACT == 0:
+            p = tl.math.exp2((s - lse[:, None]) * _LOG2E)
+            ds = p * (dp - delta[:, None])
+        else:
+            _, dact = _act_fwd_bwd(s, ACT, FAST)
+            ds = dp * dact * inv_n
+        if MASKED:
+            valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
+            ds = tl.where(valid, ds, 0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        if HAS_PB or HAS_TB:
+            # Rows past the sequence carry dS = 0 but clamped indices; keep them out of the sum.
+            pair_ok = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
+            if HAS_PB:
+                tl.atomic_add(dpb_ptr + pos_idx, ds, mask=pair_ok)
+            if HAS_TB:
+                tl.atomic_add(dtb_ptr + time_idx, ds, mask=pair_ok)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, NT, TS, PB, TB, DPB, DTB,
+    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
+    stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
+    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
+    m_start = pid_m * BLOCK_M
+    if m_start >= q_len:
+        return
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ok = offs_m < q_len
+    q = tl.load(Q + q_start * stride_qm + h * stride_qh + offs_m[:, None] * stride_qm + offs_dqk[None, :],
+                mask=q_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
+    do = tl.load(DO + q_start * stride_dom + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :],
+                 mask=q_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    if ACT == 0:
+        lse = tl.load(LSE + h * stride_lse_h + q_start + offs_m, mask=q_ok, other=0.0)
+        delta = tl.load(DELTA + h * stride_lse_h + q_start + offs_m, mask=q_ok, other=0.0)
+    else:
+        lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+        delta = lse
+    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0) if HAS_TB else offs_m
+    k_base = K + kv_start * stride_km + h * stride_kh
+    v_base = V + kv_start * stride_vm + h * stride_vh
+    ts_base = TS + kv_start
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    dq = _bwd_dq_tiles(
+        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, full_hi,
+        kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh,
+        DPB + h * stride_pbh, DTB + h * stride_tbh, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+    )
+    dq = _bwd_dq_tiles(
+        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len,
+        tl.maximum(full_hi, lo), hi,
+        kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh,
+        DPB + h * stride_pbh, DTB + h * stride_tbh, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+    )
+    tl.store(DQ + q_start * stride_dqm + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_dqk[None, :],
+             (dq * alpha).to(DQ.dtype.element_ty), mask=q_ok[:, None] & (offs_dqk[None, :] < DQK))
+
+
+@triton.jit
+def _bwd_dkdv_tiles(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom, offs_n, ts_n,
+    q_len, lo, hi, kv_len, n_hist, window, alpha, inv_n, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products."""
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < q_len
+        q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None],
+                      mask=m_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :],
+                     mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s_t = tl.dot(k, q_t) * alpha
+        if HAS_PB or HAS_TB:
+            ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
+            pos_idx, time_idx = _bias_index(offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
+            s_t = _add_bias(s_t, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB)
+        dp_t = tl.dot(v, tl.trans(do))
+        if ACT == 0:
+            lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+            p_t = tl.math.exp2((s_t - lse[None, :]) * _LOG2E)
+            if MASKED:
+                valid = _mask(offs_m[None, :], offs_n[:, None], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
+                p_t = tl.where(valid, p_t, 0.0)
+            ds_t = p_t * (dp_t - delta[None, :])
+        else:
+            a_t, dact = _act_fwd_bwd(s_t, ACT, FAST)
+            p_t = a_t * inv_n
+            ds_t = dp_t * dact * inv_n
+            if MASKED:
+                valid = _mask(offs_m[None, :], offs_n[:, None], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
+                p_t = tl.where(valid, p_t, 0.0)
+                ds_t = tl.where(valid, ds_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV_, LSE, DELTA, Q_OFF, KV_OFF, NT, TS, PB, TB,
+    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
+    stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_lse_h, stride_pbh, stride_tbh,
+    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
+    ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
+    n_start = pid_n * BLOCK_N
+    if n_start >= kv_len:
+        return
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < kv_len
+    k = tl.load(K + kv_start * stride_km + h * stride_kh + offs_n[:, None] * stride_km + offs_dqk[None, :],
+                mask=n_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
+    v = tl.load(V + kv_start * stride_vm + h * stride_vh + offs_n[:, None] * stride_vm + offs_dv[None, :],
+                mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    ts_n = tl.load(TS + kv_start + offs_n, mask=n_ok, other=0) if HAS_TB else offs_n
+
+    # Query tiles that can see this key block: causal ones start at the block's diagonal.
+    if CAUSAL:
+        lo = n_start // BLOCK_M * BLOCK_M
+    else:
+        lo = 0
+    hi = q_len
+    # Mask-free tiles: every query row is past every key (causal), and no key is a target.
+    if HAS_WINDOW:
+        full_lo = hi
+    else:
+        if CAUSAL:
+            full_lo = tl.cdiv(n_start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+        else:
+            full_lo = lo
+        if HAS_TARGETS:
+            full_lo = tl.where(n_start + BLOCK_N <= n_hist, full_lo, hi)
+    mid = tl.minimum(tl.maximum(full_lo, lo), hi)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    q_base = Q + q_start * stride_qm + h * stride_qh
+    do_base = DO + q_start * stride_dom + h * stride_doh
+    lse_base = LSE + h * stride_lse_h + q_start
+    delta_base = DELTA + h * stride_lse_h + q_start
+    dk, dv = _bwd_dkdv_tiles(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, stride_qm, stride_dom, offs_n, ts_n,
+        q_len, lo, mid, kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+    )
+    dk, dv = _bwd_dkdv_tiles(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, stride_qm, stride_dom, offs_n, ts_n,
+        q_len, mid, hi, kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+    )
+    tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
+             (dk * alpha).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
+    tl.store(DV_ + kv_start * stride_dvm + h * stride_dvh + offs_n[:, None] * stride_dvm + offs_dv[None, :],
+             dv.to(DV_.dtype.element_ty), mask=n_ok[:, None] & (offs_dv[None, :] < DV))
