@@ -296,9 +296,9 @@ def _history_mask(
     mask = torch.zeros(batch, columns, dtype=torch.bool, device=targets.device)
     if history_values is None:
         return mask
-    lengths = history_offsets[1:] - history_offsets[:-1]
+    lengths = (history_offsets[1:] - history_offsets[:-1]).long()
     rows = torch.repeat_interleave(torch.arange(batch, device=targets.device), lengths)
-    cols = history_values - first
+    cols = history_values.long() - first
     inside = (cols >= 0) & (cols < columns)
     mask[rows[inside], cols[inside]] = True
     hit = (targets >= first) & (targets < first + columns)
@@ -377,9 +377,17 @@ def target_ranks(
     """
     if scores.dim() != 2 or scores.shape[0] != targets.numel():
         raise ValueError(f"scores must be [B, N] with B = len(targets), got {tuple(scores.shape)}")
+    targets = targets.long()
     _check_ranking_inputs(scores.shape[1], targets, history_values, history_offsets, valid_items)
     target_scores = scores.gather(1, targets.unsqueeze(1)).squeeze(1)
     return _count_at_or_above(scores, 0, target_scores, targets, history_values, history_offsets, valid_items)
+
+
+def _score_chunk(score_fn: Callable[[int, int], torch.Tensor], first: int, stop: int, batch: int) -> torch.Tensor:
+    chunk = score_fn(first, stop)
+    if chunk.shape != (batch, stop - first):
+        raise ValueError(f"score_fn({first}, {stop}) returned {tuple(chunk.shape)}, expected {(batch, stop - first)}")
+    return chunk
 
 
 def target_ranks_chunked(
@@ -399,6 +407,7 @@ def target_ranks_chunked(
     (a first pass over the chunks that hold a target), never from a separate dot product, whose
     rounding could differ and break ties the wrong way.
     """
+    targets = targets.long()
     _check_ranking_inputs(num_items, targets, history_values, history_offsets, valid_items)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -406,7 +415,7 @@ def target_ranks_chunked(
     target_scores: torch.Tensor | None = None
     for start in torch.unique(targets // chunk_size).tolist():
         first = start * chunk_size
-        chunk = score_fn(first, min(first + chunk_size, num_items))
+        chunk = _score_chunk(score_fn, first, min(first + chunk_size, num_items), batch)
         here = (targets >= first) & (targets < first + chunk_size)
         picked = chunk.gather(1, (targets - first).clamp(0, chunk.shape[1] - 1).unsqueeze(1)).squeeze(1)
         if target_scores is None:
@@ -416,10 +425,7 @@ def target_ranks_chunked(
     if target_scores is None:
         return ranks
     for first in range(0, num_items, chunk_size):
-        stop = min(first + chunk_size, num_items)
-        chunk = score_fn(first, stop)
-        if chunk.shape != (batch, stop - first):
-            raise ValueError(f"score_fn({first}, {stop}) returned {tuple(chunk.shape)}, expected {(batch, stop - first)}")
+        chunk = _score_chunk(score_fn, first, min(first + chunk_size, num_items), batch)
         ranks += _count_at_or_above(chunk, first, target_scores, targets, history_values, history_offsets, valid_items)
     return ranks
 

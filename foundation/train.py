@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from foundation.config import ExperimentConfig, experiment_from_dict
 from foundation.data.batch import BatchPosition, JaggedBatch
-from foundation.data.io import fsync_dir
+from foundation.data.io import CorruptFileError, fsync_dir
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import BinaryMetrics
@@ -56,7 +56,7 @@ class EventDataModule(L.LightningDataModule):
         self.train_stream: EventStream | None = None
 
     def _rank_world(self) -> tuple[int, int]:
-        trainer = self._trainer
+        trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def _stream(self, split: str, training: bool) -> EventStream:
@@ -135,13 +135,16 @@ class PredictionLog:
             groups.update({f"/d{k}": cat["domain"] == k for k in range(num_domains)})
             for suffix, rows in groups.items():
                 mask = cat[f"{task}/mask"] & rows
-                for name, preds in (("", cat[f"{task}/prob"]), ("oracle_", cat.get(f"{task}/oracle"))):
+                for name, preds, keep in (
+                    ("", cat[f"{task}/prob"], ("ne", "auc", "calibration", "logloss", "count", "base_rate")),
+                    ("oracle_", cat.get(f"{task}/oracle"), ("ne", "auc")),
+                ):
                     if preds is None:
                         continue
                     acc = BinaryMetrics()
                     acc.update(preds, cat[f"{task}/label"], mask)
                     for metric, value in acc.compute().items():
-                        if metric in ("ne", "auc", "calibration", "logloss", "count", "base_rate"):
+                        if metric in keep:
                             out[f"{prefix}{task}/{name}{metric}{suffix}"] = float(value)
         return out
 
@@ -225,7 +228,7 @@ def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict[st
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise ValueError(f"{path}: unreadable checkpoint (truncated or corrupt?): {exc}") from exc
+        raise CorruptFileError(f"{path}: unreadable checkpoint (truncated or corrupt?): {exc}") from exc
 
 
 def sha256_file(path: str | Path) -> str:
@@ -303,7 +306,7 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
             experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run.info.run_id
         )
         trainer = build_trainer(cfg, logger)
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
         trainer.save_checkpoint(last)
         sha = sha256_file(last)
         mlflow.log_metric("data/quarantined_rows", quarantine_count(cfg.data.path))

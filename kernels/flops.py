@@ -32,10 +32,13 @@ def valid_pairs(
         causal, num_targets (``[B]``), window: as in :func:`kernels.jagged_attention`.
     """
     lengths = (offsets[1:] - offsets[:-1]).cpu()
-    if window is None and num_targets is None:
-        n = lengths.to(torch.float64)
-        return int((n * (n + 1) / 2).sum().item() if causal else (n * n).sum().item())
     nt = num_targets.cpu() if num_targets is not None else None
+    if window is None:
+        # History pairs, plus each target seeing the history and itself.
+        n_t = nt.to(torch.float64) if nt is not None else torch.zeros(lengths.numel(), dtype=torch.float64)
+        n_h = lengths.to(torch.float64) - n_t
+        hist = n_h * (n_h + 1) / 2 if causal else n_h * n_h
+        return int((hist + n_t * (n_h + 1)).sum().item())
     total = 0
     for b in range(lengths.numel()):
         sub_nt = nt[b : b + 1] if nt is not None else None

@@ -65,6 +65,7 @@ dataset or none of it; ``schema.json`` is written last)::
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -111,11 +112,13 @@ def _non_negative_int(token: bytes, name: str) -> int:
     raise _BadField(name, f"not a non-negative integer: {shown!r}" if token else "empty value")
 
 
-def _number(token: bytes, name: str) -> float:
+def _check_number(token: bytes, name: str) -> None:
     try:
-        return float(token)
+        finite = math.isfinite(float(token))
     except ValueError:
-        raise _BadField(name, f"not a number: {token.decode(errors='backslashreplace')!r}") from None
+        finite = False
+    if not finite:
+        raise _BadField(name, f"not a finite number: {token.decode(errors='backslashreplace')!r}")
 
 
 @dataclass
@@ -155,12 +158,12 @@ class _LineReader:
 def _parse_per_interaction(
     path: Path, policy: str, split_line: Callable[[bytes], list[bytes]], names: tuple[str, ...], header: bool
 ) -> _Parsed:
-    """Formats with one interaction per line; ``names`` are the fields (``timestamp`` optional)."""
+    """Formats with one interaction per line; ``names``: user, item[, rating, timestamp]."""
     reader = _LineReader(path, policy)
     # Growable int64 buffers: no Python object per interaction survives the line it came from.
     cap, n = 1 << 16, 0
     users, items = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    has_time = "timestamp" in names
+    has_time = len(names) == 4
     stamps = np.empty(cap if has_time else 0, np.int64)
     lines = reader.lines()
     if header:
@@ -179,7 +182,7 @@ def _parse_per_interaction(
             user = _non_negative_int(fields[0], names[0])
             item = _non_negative_int(fields[1], names[1])
             if has_time:
-                _number(fields[2], names[2])
+                _check_number(fields[2], names[2])
                 stamp = _non_negative_int(fields[3], names[3])
         except _BadField as bad:
             reader.reject(number, line, bad)
@@ -197,7 +200,7 @@ def _parse_per_interaction(
 
 
 def _parse_movielens_dat(path: Path, policy: str) -> _Parsed:
-    names = ("UserID", "MovieID", "Rating", "timestamp")
+    names = ("UserID", "MovieID", "Rating", "Timestamp")
     return _parse_per_interaction(path, policy, lambda line: line.split(b"::"), names, header=False)
 
 
@@ -235,8 +238,9 @@ def _parse_seq_tsv(path: Path, policy: str) -> _Parsed:
         seen[user] = number
         users.append(np.full(len(seq), user, np.int64))
         items.append(seq)
-    cat = lambda parts: np.concatenate(parts) if parts else np.empty(0, np.int64)  # noqa: E731
-    return _Parsed(cat(users), cat(items), None, reader.bad)
+    if not users:
+        return _Parsed(np.empty(0, np.int64), np.empty(0, np.int64), None, reader.bad)
+    return _Parsed(np.concatenate(users), np.concatenate(items), None, reader.bad)
 
 
 _PARSERS: dict[str, Callable[[Path, str], _Parsed]] = {
@@ -311,7 +315,12 @@ def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
         # failure leaves either the old or the new dataset at out_dir, never a mix.
         old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
         os.replace(out_dir, old / "dataset")
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            os.replace(old / "dataset", out_dir)
+            old.rmdir()
+            raise
         shutil.rmtree(old)
     else:
         os.replace(tmp, out_dir)

@@ -15,7 +15,13 @@ from functools import partial
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    PoolingType,
+)
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from foundation.data.batch import JaggedBatch
@@ -66,14 +72,15 @@ class SparseFeatureEmbedding(nn.Module):
     """The schema's categorical features -> one mean-pooled ``[B, d]`` vector per feature.
 
     ``forward`` returns ``(user_tokens[B, F_user, d], item_tokens[B, F_item, d])``; a side without
-    features yields ``[B, 0, d]``.
+    features yields ``[B, 0, d]``. ``with_item_features=False`` leaves the candidate's features out
+    (on next_item data they would reveal the label).
     """
 
-    def __init__(self, schema: EventSchema, dim: int) -> None:
+    def __init__(self, schema: EventSchema, dim: int, *, with_item_features: bool = True) -> None:
         super().__init__()
         self.dim = dim
         self.user_names = [f.name for f in schema.user_features]
-        self.item_names = [f.name for f in schema.item_features]
+        self.item_names = [f.name for f in schema.item_features] if with_item_features else []
         tables = [
             EmbeddingBagConfig(
                 name=f"t_{f.name}",
@@ -83,6 +90,7 @@ class SparseFeatureEmbedding(nn.Module):
                 pooling=PoolingType.MEAN,
             )
             for f in schema.sparse
+            if f.name in self.user_names or f.name in self.item_names
         ]
         self.collection = EmbeddingBagCollection(tables=tables) if tables else None
 
@@ -107,10 +115,9 @@ class HistoryEmbedding(nn.Module):
     ``sqrt(d)`` scale follows HSTU, whose item table is initialised small (std 0.02).
     """
 
-    def __init__(self, cfg: TeacherConfig, schema: EventSchema, items: ItemEmbedding) -> None:
+    def __init__(self, cfg: TeacherConfig, schema: EventSchema) -> None:
         super().__init__()
         d = cfg.d_model
-        self.items = items
         self.item_proj = nn.Identity() if cfg.item_dim == d else nn.Linear(cfg.item_dim, d, bias=False)
         self.scale = math.sqrt(d)
         features = set(cfg.history_features)
@@ -123,13 +130,19 @@ class HistoryEmbedding(nn.Module):
             nn.init.trunc_normal_(self.position.weight, std=math.sqrt(1.0 / d))
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def embed_items(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids[N]`` -> ``[N, d_model]`` item part of a token (also used for the candidate token)."""
-        return self.scale * self.item_proj(self.items(ids))
+    def embed_items(self, item_vectors: torch.Tensor) -> torch.Tensor:
+        """``[N, item_dim]`` looked-up items -> ``[N, d_model]`` item part of a token (history or candidate)."""
+        return self.scale * self.item_proj(item_vectors)
 
-    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+    def embed_candidate(self, item_vectors: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+        """``[B, item_dim]`` candidate items on surfaces ``domain[B]`` -> ``[B, d_model]`` (its action is the label: absent)."""
+        tokens = self.embed_items(item_vectors)
+        return tokens + self.domain(domain) if self.domain is not None else tokens
+
+    def forward(self, batch: JaggedBatch, item_vectors: torch.Tensor) -> torch.Tensor:
+        """``item_vectors[L, item_dim]``: the history items, looked up by the caller in the shared table."""
         history = batch.history
-        tokens = self.embed_items(history["item_ids"])
+        tokens = self.embed_items(item_vectors)
         if self.action is not None:
             tokens = tokens + self.action(history["actions"])
         if self.domain is not None:

@@ -23,7 +23,9 @@ def token_positions(offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.arange(rows.numel(), device=rows.device) - offsets[rows]
 
 
-def gather_rows(tokens: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+def gather_rows(
+    tokens: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, fill: torch.Tensor
+) -> torch.Tensor:
     """``tokens[index]`` where ``valid`` else ``fill``; safe when ``tokens`` is empty.
 
     Args:

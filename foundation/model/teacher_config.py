@@ -24,8 +24,9 @@ class TeacherConfig:
         num_layers, num_heads: HSTU blocks and attention heads.
         attn_dim, value_dim: per-head query/key and value widths.
         attn_alpha: scale on ``QKᵀ``; None means ``1/sqrt(attn_dim)``.
-        max_len: the longest history the model is sized for (relative-position buckets and the
-            absolute position table); longer distances share the last bucket.
+        max_len: the longest history the model is sized for: HSTU's fixed ``1/N`` is
+            ``1/(max_len + CLS/target tokens)``; relative-position buckets and the absolute
+            position table cover it (longer distances share the last bucket).
         time_buckets: log time-difference buckets of the relative time bias (0 disables it).
         dropout: on input embeddings, inside blocks, and in MLPs.
         abs_pos_emb: add a learned absolute position embedding to history tokens (HSTU's ML-1M
@@ -116,9 +117,22 @@ class TeacherConfig:
             raise ValueError(f"teacher.interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
         unknown = set(self.history_features) - set(HISTORY_FEATURES)
         if unknown:
-            raise ValueError(f"teacher.history_features: unknown {sorted(unknown)}; valid: {HISTORY_FEATURES}")
-        positive = ("d_model", "num_layers", "num_heads", "attn_dim", "value_dim", "max_len", "item_dim",
-                    "interaction_tokens", "expert_dim", "repr_dim", "num_negatives")
+            raise ValueError(
+                f"teacher.history_features: unknown {sorted(unknown)}; valid: {HISTORY_FEATURES}"
+            )
+        positive = (
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "attn_dim",
+            "value_dim",
+            "max_len",
+            "item_dim",
+            "interaction_tokens",
+            "expert_dim",
+            "repr_dim",
+            "num_negatives",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"teacher.{name} must be positive, got {getattr(self, name)}")
@@ -159,30 +173,83 @@ def _ml1m(num_layers: int, num_heads: int) -> TeacherConfig:
         num_negatives=128,
         in_batch_negatives=False,
         temperature=0.05,
+        # HSTU's reference implementation does not scale QKᵀ.
+        attn_alpha=1.0,
     )
 
 
 TEACHER_FLAVORS: dict[str, TeacherConfig] = {
     # Seconds on a CPU: every block present, tiny widths.
     "debug": TeacherConfig(
-        d_model=32, item_dim=32, num_layers=2, num_heads=2, attn_dim=16, value_dim=16, max_len=64,
-        time_buckets=32, num_cls=2, num_pma_seeds=2, num_recent=4, pffn_hidden=64, interaction_tokens=6,
-        num_final_interaction_blocks=1, wukong_rank=4, wukong_hidden=64, dcn_rank=16, expert_hidden=64,
-        expert_dim=32, repr_dim=32, num_negatives=32,
+        d_model=32,
+        item_dim=32,
+        num_layers=2,
+        num_heads=2,
+        attn_dim=16,
+        value_dim=16,
+        max_len=64,
+        time_buckets=32,
+        num_cls=2,
+        num_pma_seeds=2,
+        num_recent=4,
+        pffn_hidden=64,
+        interaction_tokens=6,
+        num_final_interaction_blocks=1,
+        wukong_rank=4,
+        wukong_hidden=64,
+        dcn_rank=16,
+        expert_hidden=64,
+        expert_dim=32,
+        repr_dim=32,
+        num_negatives=32,
     ),
     "small": TeacherConfig(
-        d_model=128, item_dim=128, num_layers=4, num_heads=4, attn_dim=32, value_dim=32, max_len=256,
-        num_cls=4, num_pma_seeds=4, num_recent=8, pffn_hidden=256, interaction_tokens=16,
-        num_final_interaction_blocks=2, wukong_rank=16, wukong_hidden=512, expert_hidden=512,
-        expert_dim=128, num_shared_experts=4, num_domain_experts=2, repr_dim=128,
+        d_model=128,
+        item_dim=128,
+        num_layers=4,
+        num_heads=4,
+        attn_dim=32,
+        value_dim=32,
+        max_len=256,
+        num_cls=4,
+        num_pma_seeds=4,
+        num_recent=8,
+        pffn_hidden=256,
+        interaction_tokens=16,
+        num_final_interaction_blocks=2,
+        wukong_rank=16,
+        wukong_hidden=512,
+        expert_hidden=512,
+        expert_dim=128,
+        num_shared_experts=4,
+        num_domain_experts=2,
+        repr_dim=128,
     ),
     # Sized for one H200 with long sequences (pair with a token budget of ~64k-128k per batch).
     "large": TeacherConfig(
-        d_model=1024, item_dim=256, num_layers=16, num_heads=8, attn_dim=128, value_dim=128, max_len=4096,
-        time_buckets=128, num_cls=8, num_pma_seeds=16, num_recent=32, pffn_hidden=2048,
-        interaction_tokens=32, num_final_interaction_blocks=3, wukong_rank=32, wukong_hidden=4096,
-        dcn_rank=256, expert_hidden=4096, expert_dim=1024, num_shared_experts=8, num_domain_experts=4,
-        repr_dim=256, num_negatives=512,
+        d_model=1024,
+        item_dim=256,
+        num_layers=16,
+        num_heads=8,
+        attn_dim=128,
+        value_dim=128,
+        max_len=4096,
+        time_buckets=128,
+        num_cls=8,
+        num_pma_seeds=16,
+        num_recent=32,
+        pffn_hidden=2048,
+        interaction_tokens=32,
+        num_final_interaction_blocks=3,
+        wukong_rank=32,
+        wukong_hidden=4096,
+        dcn_rank=256,
+        expert_hidden=4096,
+        expert_dim=1024,
+        num_shared_experts=8,
+        num_domain_experts=4,
+        repr_dim=256,
+        num_negatives=512,
     ),
     "ml1m_hstu": _ml1m(num_layers=2, num_heads=1),
     "ml1m_hstu_large": _ml1m(num_layers=8, num_heads=2),

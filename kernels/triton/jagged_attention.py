@@ -17,6 +17,7 @@ Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -25,9 +26,10 @@ import triton.language as tl
 from kernels.pytorch.jagged_attention import TIME_BUCKET_DIVISOR
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
-_LOG2E = 1.4426950408889634
-_INV_SQRT2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+_LOG2E = tl.constexpr(1.4426950408889634)
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
 
 
 @triton.jit
@@ -94,7 +96,7 @@ def _bias_index(qi, kj, n_hist, ts_q, ts_k, P_SIZE, T_SIZE, HAS_PB: tl.constexpr
         pos_idx = tl.minimum(d, P_SIZE - 1)
     if HAS_TB:
         dt = tl.maximum(tl.abs(ts_q - ts_k).to(tl.float32), 1.0)
-        bucket = tl.floor(tl.log(dt) / TIME_BUCKET_DIVISOR).to(tl.int32)
+        bucket = tl.floor(tl.log(dt) / _TIME_DIV).to(tl.int32)
         time_idx = tl.minimum(tl.maximum(bucket, 0), T_SIZE - 1)
     return pos_idx, time_idx
 
@@ -134,10 +136,7 @@ def _fwd_tiles(
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
                 s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            if MASKED:
-                m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_new_safe = m_new
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
             p = tl.math.exp2((s - m_new_safe[:, None]) * _LOG2E)
             corr = tl.math.exp2((m_i - m_new_safe) * _LOG2E)
             l_i = l_i * corr + tl.sum(p, 1)
@@ -168,25 +167,19 @@ def _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS: tl.constexpr):
 def _key_ranges(m_start, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key-tile ranges of a query block: [lo, full_hi) needs no mask, [full_hi, hi) does."""
-    if CAUSAL:
-        hi = tl.minimum(m_start + BLOCK_M, kv_len)
-    else:
-        hi = kv_len
+    hi = tl.minimum(m_start + BLOCK_M, kv_len) if CAUSAL else kv_len
     if HAS_WINDOW:
         lo = tl.maximum(tl.minimum(m_start, n_hist) - window + 1, 0) // BLOCK_N * BLOCK_N
         full_hi = lo
     else:
         lo = 0
-        if CAUSAL:
-            full_hi = tl.minimum(m_start, n_hist) // BLOCK_N * BLOCK_N
-        else:
-            full_hi = n_hist // BLOCK_N * BLOCK_N
+        full_hi = tl.minimum(m_start, n_hist) // BLOCK_N * BLOCK_N if CAUSAL else n_hist // BLOCK_N * BLOCK_N
     return lo, full_hi, hi
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, Q_OFF, KV_OFF, NT, TS, PB, TB,
+    Q, K, V, Out, LSE, Q_OFF, KV_OFF, NT, TS, PB, TB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
     stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -236,8 +229,8 @@ def _fwd_kernel(
         tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=q_ok)
     else:
         acc = acc * inv_n
-    tl.store(O + q_start * stride_om + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :],
-             acc.to(O.dtype.element_ty), mask=q_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(Out + q_start * stride_om + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :],
+             acc.to(Out.dtype.element_ty), mask=q_ok[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
@@ -413,19 +406,13 @@ def _bwd_dkdv_kernel(
     ts_n = tl.load(TS + kv_start + offs_n, mask=n_ok, other=0) if HAS_TB else offs_n
 
     # Query tiles that can see this key block: causal ones start at the block's diagonal.
-    if CAUSAL:
-        lo = n_start // BLOCK_M * BLOCK_M
-    else:
-        lo = 0
+    lo = n_start // BLOCK_M * BLOCK_M if CAUSAL else 0
     hi = q_len
     # Mask-free tiles: every query row is past every key (causal), and no key is a target.
     if HAS_WINDOW:
         full_lo = hi
     else:
-        if CAUSAL:
-            full_lo = tl.cdiv(n_start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
-        else:
-            full_lo = lo
+        full_lo = tl.cdiv(n_start + BLOCK_N - 1, BLOCK_M) * BLOCK_M if CAUSAL else lo
         if HAS_TARGETS:
             full_lo = tl.where(n_start + BLOCK_N <= n_hist, full_lo, hi)
     mid = tl.minimum(tl.maximum(full_lo, lo), hi)
@@ -449,3 +436,222 @@ def _bwd_dkdv_kernel(
              (dk * alpha).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DV_ + kv_start * stride_dvm + h * stride_dvh + offs_n[:, None] * stride_dvm + offs_dv[None, :],
              dv.to(DV_.dtype.element_ty), mask=n_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+def _fwd_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+    ]
+
+
+def _dq_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+    ]
+
+
+def _dkdv_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+    ]
+
+
+# Autotuning is keyed per N bucket and per variant; the pruned spaces keep first-call compile
+# time to a few configs per kernel. Only the CUDA path is tuned: the interpreter runs fixed tiles.
+_TUNE_KEY = ["N_BUCKET", "DQK", "DV", "ACT", "CAUSAL", "HAS_TARGETS", "HAS_WINDOW", "HAS_PB", "HAS_TB"]
+_fwd_tuned = triton.autotune(_fwd_configs(), key=_TUNE_KEY)(_fwd_kernel)
+_dq_tuned = triton.autotune(_dq_configs(), key=_TUNE_KEY, reset_to_zero=["DPB", "DTB"])(_bwd_dq_kernel)
+_dkdv_tuned = triton.autotune(_dkdv_configs(), key=_TUNE_KEY)(_bwd_dkdv_kernel)
+
+# Interpreter tiles: unequal M and N so tests cross tile boundaries both ways.
+_CPU_FWD = {"BLOCK_M": 32, "BLOCK_N": 16}
+_CPU_DKDV = {"BLOCK_M": 16, "BLOCK_N": 32}
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _n_bucket(n: int) -> int:
+    return max(64, triton.next_power_of_2(max(n, 1)))
+
+
+class _Spec:
+    """Everything about a call that is not a differentiable tensor."""
+
+    def __init__(self, act, causal, alpha, window, num_targets, timestamps, max_q_len, max_kv_len):
+        self.act = act
+        self.causal = causal
+        self.alpha = alpha
+        self.window = window
+        self.num_targets = num_targets
+        self.timestamps = timestamps
+        self.max_q_len = max_q_len
+        self.max_kv_len = max_kv_len
+
+
+def _common_args(q, k, v, pb, tb, spec):
+    heads = q.shape[1]
+    dummy = q.new_zeros(1, dtype=torch.float32)
+    pb_t = pb if pb is not None else dummy
+    tb_t = tb if tb is not None else dummy
+    meta = dict(
+        ACT=_ACT_CODES[spec.act],
+        CAUSAL=spec.causal,
+        HAS_TARGETS=spec.num_targets is not None,
+        HAS_WINDOW=spec.window is not None,
+        HAS_PB=pb is not None,
+        HAS_TB=tb is not None,
+        FAST=q.is_cuda,
+        DQK=q.shape[2],
+        DV=v.shape[2],
+        BLOCK_DQK=_block_d(q.shape[2]),
+        BLOCK_DV=_block_d(v.shape[2]),
+    )
+    scalars = dict(
+        stride_pbh=pb_t.stride(0) if pb is not None and pb.shape[0] > 1 else 0,
+        stride_tbh=tb_t.stride(0) if tb is not None and tb.shape[0] > 1 else 0,
+        P_SIZE=pb.shape[1] if pb is not None else 1,
+        T_SIZE=tb.shape[1] if tb is not None else 1,
+        H=heads,
+        alpha=spec.alpha,
+        inv_n=1.0 / max(spec.max_kv_len, 1),
+        window=spec.window if spec.window is not None else 0,
+        N_BUCKET=_n_bucket(spec.max_kv_len),
+    )
+    nt = spec.num_targets if spec.num_targets is not None else dummy
+    ts = spec.timestamps if spec.timestamps is not None else dummy
+    return pb_t, tb_t, nt, ts, meta, scalars
+
+
+def _autotune_enabled() -> bool:
+    """``GEM_KERNELS_AUTOTUNE=0`` runs each kernel's first config untuned (quick compiles for checks)."""
+    return os.environ.get("GEM_KERNELS_AUTOTUNE", "1") != "0"
+
+
+def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
+    """Grid ``(B * H, cdiv(grid_rows, block))`` where ``block_key`` names the tile that splits rows."""
+    if on_cuda and _autotune_enabled():
+        tuned[lambda meta: (batch_heads, triton.cdiv(grid_rows, meta[block_key]))](*args, **kwargs)
+    elif on_cuda:
+        config = tuned.configs[0]
+        grid = (batch_heads, triton.cdiv(grid_rows, config.kwargs[block_key]))
+        plain[grid](*args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        plain[(batch_heads, triton.cdiv(grid_rows, cpu_blocks[block_key]))](*args, **kwargs, **cpu_blocks)
+
+
+class _JaggedAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pos_bias, time_bias, q_offsets, kv_offsets, spec):
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        batch, heads = q_offsets.numel() - 1, q.shape[1]
+        out = torch.empty(q.shape[0], heads, v.shape[2], device=q.device, dtype=v.dtype)
+        lse = torch.empty(heads, q.shape[0], device=q.device, dtype=torch.float32)
+        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
+        if batch * heads > 0 and spec.max_q_len > 0:
+            args = (q, k, v, out, lse, q_offsets, kv_offsets, nt, ts, pb, tb,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    out.stride(0), out.stride(1), lse.stride(0))
+            _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, args,
+                    {**scalars, **meta}, q.is_cuda)
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, pos_bias, time_bias)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_offsets, kv_offsets, pos_bias, time_bias = ctx.saved_tensors
+        spec = ctx.spec
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        batch, heads = q_offsets.numel() - 1, q.shape[1]
+        dq = torch.zeros_like(q)
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(v)
+        dpb = torch.zeros(pos_bias.shape, device=q.device, dtype=torch.float32) if pos_bias is not None else None
+        dtb = torch.zeros(time_bias.shape, device=q.device, dtype=torch.float32) if time_bias is not None else None
+        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
+        delta = (dout.float() * out.float()).sum(-1).t().contiguous() if spec.act == "softmax" else lse
+        if batch * heads > 0 and spec.max_q_len > 0 and spec.max_kv_len > 0:
+            dummy = q.new_zeros(1, dtype=torch.float32)
+            dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb,
+                       dpb if dpb is not None else dummy, dtb if dtb is not None else dummy,
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
+            _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
+                    {**scalars, **meta}, q.is_cuda)
+            dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb,
+                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                         lse.stride(0))
+            _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", spec.max_kv_len, batch * heads, dkdv_args,
+                    {**scalars, **meta}, q.is_cuda)
+        dpb = dpb.to(pos_bias.dtype) if dpb is not None else None
+        dtb = dtb.to(time_bias.dtype) if dtb is not None else None
+        return dq, dk, dv, dpb, dtb, None, None, None
+
+
+def _default_alpha(alpha: float | None, q: torch.Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if alpha is None else float(alpha)
+
+
+def jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int,
+    *,
+    activation: str = "silu",
+    causal: bool = True,
+    alpha: float | None = None,
+    num_targets: torch.Tensor | None = None,
+    window: int | None = None,
+    pos_bias: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton jagged self-attention; see :func:`kernels.jagged_attention` (no input checks here).
+
+    Shapes: q, k ``[L, H, Dqk]``, v ``[L, H, Dv]``, offsets ``[B + 1]`` -> ``[L, H, Dv]``.
+    """
+    offsets = offsets.to(torch.int64).contiguous()
+    spec = _Spec(
+        activation,
+        causal,
+        _default_alpha(alpha, q),
+        window,
+        num_targets.to(torch.int64).contiguous() if num_targets is not None else None,
+        timestamps.contiguous() if time_bias is not None else None,
+        max_len,
+        max_len,
+    )
+    return _JaggedAttentionFn.apply(q, k, v, pos_bias, time_bias, offsets, offsets, spec)
+
+
+def jagged_cross_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    *,
+    activation: str = "softmax",
+    alpha: float | None = None,
+) -> torch.Tensor:
+    """Triton jagged cross-attention; see :func:`kernels.jagged_cross_attention`.
+
+    Shapes: q ``[Lq, H, Dqk]``, k ``[Lkv, H, Dqk]``, v ``[Lkv, H, Dv]`` -> ``[Lq, H, Dv]``.
+    """
+    spec = _Spec(activation, False, _default_alpha(alpha, q), None, None, None, max_q_len, max_kv_len)
+    return _JaggedAttentionFn.apply(
+        q, k, v, None, None, q_offsets.to(torch.int64).contiguous(), kv_offsets.to(torch.int64).contiguous(), spec
+    )

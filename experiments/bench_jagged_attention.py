@@ -1,0 +1,360 @@
+"""Check and time the jagged attention kernels on one GPU; print a table, optionally write JSON.
+
+One call does everything: measures the device's bf16 matmul and copy ceilings, checks the bf16
+Triton kernels against the float32 reference (every activation and flag, forward and every
+gradient, as ``||out - ref|| / ||ref||``, plus a rerun to catch races), then times forward,
+backward and forward+backward for self-attention (B=32, H=4, D=128, N in {1024, 4096, 8192};
+full, uniform and heavy-tailed lengths; 0 and 20 targets) against the padded PyTorch path (SDPA
+for softmax, batched matmul for pointwise) and PyTorch's varlen flash attention, and the
+GEM-like cross-attention shapes. TFLOP/s count valid pairs only (``kernels.flops``).
+
+    PYTHONUNBUFFERED=1 python experiments/bench_jagged_attention.py --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import inspect
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
+from kernels.pytorch.jagged_attention import (
+    jagged_attention as ref_attention,
+)
+from kernels.pytorch.jagged_attention import (
+    jagged_cross_attention as ref_cross_attention,
+)
+from kernels.pytorch.jagged_attention import (
+    pad_jagged,
+    self_attention_mask,
+)
+from kernels.triton.jagged_attention import jagged_attention as tri_attention
+from kernels.triton.jagged_attention import jagged_cross_attention as tri_cross_attention
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+
+
+def make_lengths(kind: str, batch: int, n: int, gen: torch.Generator) -> list[int]:
+    """``full``: all N; ``uniform``: U[1, N]; ``heavy``: log-uniform on [16, N]."""
+    if kind == "full":
+        return [n] * batch
+    if kind == "uniform":
+        return torch.randint(1, n + 1, (batch,), generator=gen).tolist()
+    u = torch.rand(batch, generator=gen, dtype=torch.float64)
+    return torch.exp(math.log(16) + u * (math.log(n) - math.log(16))).round().long().clamp(16, n).tolist()
+
+
+def offsets_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=DEVICE)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def median_ms(fn, grad_to_none=None, rep: int = 100) -> float:
+    return do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def peak_gb(fn) -> float:
+    """Peak device memory above what was allocated before ``fn`` ran, in GB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def ceilings() -> dict:
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE)
+    mm = median_ms(lambda: a @ b)
+    src = torch.randn(512 * 1024 * 1024, device=DEVICE, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    cp = median_ms(lambda: dst.copy_(src))
+    return {"matmul_tflops": 2 * 8192**3 / mm / 1e9, "copy_tbps": 2 * src.numel() * 4 / cp / 1e9}
+
+
+def leaves(total: int, heads: int, dqk: int, dv: int, gen: torch.Generator):
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE).to(DTYPE).requires_grad_(True)
+
+    return leaf(total, heads, dqk), leaf(total, heads, dqk), leaf(total, heads, dv)
+
+
+def fwd_bwd(fn, tensors, upstream_seed: int):
+    for x in tensors:
+        x.grad = None
+    out = fn()
+    g = torch.randn(out.shape, generator=torch.Generator(DEVICE).manual_seed(upstream_seed), device=DEVICE).to(out.dtype)
+    out.backward(g)
+    return [out.detach().clone()] + [x.grad.clone() for x in tensors]
+
+
+def check_self(name, lengths, heads, dqk, dv, gen, *, pos=0, time=0, **kwargs) -> dict:
+    offsets = offsets_of(lengths)
+    n = max(lengths)
+    q, k, v = leaves(sum(lengths), heads, dqk, dv, gen)
+    pb = torch.randn(heads, pos, device=DEVICE, generator=gen).requires_grad_(True) if pos else None
+    tb = torch.randn(1, time, device=DEVICE, generator=gen).requires_grad_(True) if time else None
+    ts = torch.randint(0, 3000, (sum(lengths),), device=DEVICE, generator=gen).cumsum(0) if time else None
+    tensors = [x for x in (q, k, v, pb, tb) if x is not None]
+    extra = dict(pos_bias=pb, time_bias=tb, timestamps=ts, **kwargs)
+    got = fwd_bwd(lambda: tri_attention(q, k, v, offsets, n, **extra), tensors, 1)
+    again = fwd_bwd(lambda: tri_attention(q, k, v, offsets, n, **extra), tensors, 1)
+    want = fwd_bwd(lambda: ref_attention(q.float(), k.float(), v.float(), offsets, n, **extra), tensors, 1)
+    names = ["out", "dq", "dk", "dv"] + (["dpos"] if pb is not None else []) + (["dtime"] if tb is not None else [])
+    errs = {nm: rel_err(a, b) for nm, a, b in zip(names, got, want, strict=True)}
+    rerun = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, again, strict=True))
+    finite = all(torch.isfinite(a).all().item() for a in got)
+    return {"case": name, "errors": errs, "rerun_max_diff": rerun, "finite": finite}
+
+
+def check_cross(name, q_lens, kv_lens, heads, d, gen, activation) -> dict:
+    q_off, kv_off = offsets_of(q_lens), offsets_of(kv_lens)
+    q, _, _ = leaves(sum(q_lens), heads, d, d, gen)
+    _, k, v = leaves(sum(kv_lens), heads, d, d, gen)
+    tensors = [q, k, v]
+    args = (q_off, kv_off, max(q_lens), max(kv_lens))
+    got = fwd_bwd(lambda: tri_cross_attention(q, k, v, *args, activation=activation), tensors, 2)
+    again = fwd_bwd(lambda: tri_cross_attention(q, k, v, *args, activation=activation), tensors, 2)
+    want = fwd_bwd(lambda: ref_cross_attention(q.float(), k.float(), v.float(), *args, activation=activation), tensors, 2)
+    errs = {nm: rel_err(a, b) for nm, a, b in zip(["out", "dq", "dk", "dv"], got, want, strict=True)}
+    rerun = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, again, strict=True))
+    return {"case": name, "errors": errs, "rerun_max_diff": rerun, "finite": all(torch.isfinite(a).all().item() for a in got)}
+
+
+def run_checks() -> list[dict]:
+    # Checks compile one config per variant: autotuning every variant would cost minutes.
+    os.environ["GEM_KERNELS_AUTOTUNE"] = "0"
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    lengths = [0, 1, 700, 333, 64, 17, 700, 129]
+    nt = torch.tensor([0, 1, 20, 3, 0, 17, 5, 2], device=DEVICE)
+    rows = []
+    for act in ("softmax", "silu", "gelu", "relu", "identity"):
+        rows.append(check_self(f"{act} causal D=128", lengths, 2, 128, 128, gen, activation=act, causal=True))
+    for act in ("softmax", "silu"):
+        rows.append(check_self(f"{act} non-causal D=64", lengths, 2, 64, 64, gen, activation=act, causal=False))
+        rows.append(check_self(f"{act} causal targets+window+pos+time D=128", lengths, 2, 128, 128, gen,
+                               activation=act, causal=True, num_targets=nt, window=100, pos=64, time=32))
+        rows.append(check_self(f"{act} causal targets Dqk=96 Dv=80", lengths, 3, 96, 80, gen,
+                               activation=act, causal=True, num_targets=nt))
+    for act in ("softmax", "silu"):
+        rows.append(check_cross(f"cross {act} short-q long-kv", [5, 0, 192, 7], [900, 30, 256, 0], 4, 128, gen, act))
+        rows.append(check_cross(f"cross {act} long-q short-kv", [900, 30, 256], [192, 5, 1], 3, 128, gen, act))
+    del os.environ["GEM_KERNELS_AUTOTUNE"]
+    return rows
+
+
+def padded_self(q, k, v, offsets, n, lengths_t, activation, num_targets):
+    """The padded PyTorch path: dense [B, H, N, D] tensors, SDPA or batched matmuls."""
+    qp, valid = pad_jagged(q, offsets, n)
+    kp, _ = pad_jagged(k, offsets, n)
+    vp, _ = pad_jagged(v, offsets, n)
+    qp, kp, vp = (x.transpose(1, 2) for x in (qp, kp, vp))
+    if num_targets is None:
+        mask = None
+    else:
+        mask = self_attention_mask(lengths_t, n, causal=True, num_targets=num_targets)[0][:, None]
+    if activation == "softmax":
+        if mask is None:
+            out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask | torch.eye(n, dtype=torch.bool, device=DEVICE))
+    else:
+        s = (qp @ kp.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        if mask is None:
+            mask = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril()
+        a = torch.where(mask, F.silu(s), 0.0) / n
+        out = a @ vp
+    return out.transpose(1, 2)[valid]
+
+
+def varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+
+    def call(q, k, v, q_offsets, kv_offsets, max_q, max_kv, causal):
+        cq, ck = q_offsets.to(torch.int32), kv_offsets.to(torch.int32)
+        if not causal:
+            return varlen_attn(q, k, v, cq, ck, max_q, max_kv)
+        if "is_causal" in params:
+            return varlen_attn(q, k, v, cq, ck, max_q, max_kv, is_causal=True)
+        return varlen_attn(q, k, v, cq, ck, max_q, max_kv, window_size=(-1, 0))
+
+    return call
+
+
+def _forward_backward(fn, upstream):
+    fn().backward(upstream)
+
+
+def time_variants(name_fns: dict, tensors, flops_fwd: float, rep: int) -> list[dict]:
+    """Forward, backward and forward+backward of each callable; OOM is reported, not raised."""
+    rows = []
+    for impl, fn in name_fns.items():
+        row = {"impl": impl}
+        try:
+            with torch.no_grad():
+                t_f = median_ms(fn, rep=rep)
+            out = fn()
+            g = torch.randn_like(out)
+            t_b = median_ms(lambda out=out, g=g: out.backward(g, retain_graph=True), grad_to_none=tensors, rep=rep)
+            del out
+            step = functools.partial(_forward_backward, fn, g)
+            t_fb = median_ms(step, grad_to_none=tensors, rep=rep)
+            for x in tensors:
+                x.grad = None
+            mem = peak_gb(step)
+            row.update(
+                fwd_ms=t_f, bwd_ms=t_b, fwdbwd_ms=t_fb, peak_gb=mem,
+                fwd_tflops=flops_fwd / t_f / 1e9,
+                bwd_tflops=flops_fwd * 2.5 / t_b / 1e9,
+                fwdbwd_tflops=flops_fwd * 3.5 / t_fb / 1e9,
+            )
+        except torch.OutOfMemoryError:
+            row["error"] = "OOM"
+        except RuntimeError as e:
+            row["error"] = f"failed: {str(e).splitlines()[0][:100]}"
+        for x in tensors:
+            x.grad = None
+        torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    dgen = torch.Generator(DEVICE).manual_seed(1)
+    varlen = varlen_fn()
+    rows = []
+    for n in ns:
+        for kind in kinds:
+            lengths = make_lengths(kind, batch, n, gen)
+            offsets = offsets_of(lengths)
+            lengths_t = offsets[1:] - offsets[:-1]
+            q, k, v = leaves(sum(lengths), heads, dim, dim, dgen)
+            for n_t in targets:
+                num_targets = torch.clamp(lengths_t, max=n_t) if n_t else None
+                pairs = valid_pairs(offsets, n, causal=True, num_targets=num_targets)
+                flops = attention_flops(pairs, heads, dim, dim)
+                for act in acts:
+                    fns = {"triton": functools.partial(tri_attention, q, k, v, offsets, n, activation=act,
+                                                       causal=True, num_targets=num_targets)}
+                    if padded:
+                        fns["padded"] = functools.partial(padded_self, q, k, v, offsets, n, lengths_t, act, num_targets)
+                    if act == "softmax" and n_t == 0 and varlen is not None:
+                        fns["torch_varlen"] = functools.partial(varlen, q, k, v, offsets, offsets, n, n, True)
+                    rep = 100 if n <= 4096 else 200
+                    for row in time_variants(fns, [q, k, v], flops, rep):
+                        row.update(op="self", act=act, N=n, lengths=kind, targets=n_t, B=batch, H=heads, D=dim,
+                                   tokens=sum(lengths), pairs=pairs)
+                        rows.append(row)
+                        print(fmt_row(row), flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def padded_cross(q, k, v, q_off, kv_off, nq, nk):
+    """Padded softmax cross-attention through SDPA with a key-padding mask."""
+    qp, q_valid = pad_jagged(q, q_off, nq)
+    kp, kv_valid = pad_jagged(k, kv_off, nk)
+    vp, _ = pad_jagged(v, kv_off, nk)
+    qp, kp, vp = (x.transpose(1, 2) for x in (qp, kp, vp))
+    mask = kv_valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
+    return out.transpose(1, 2)[q_valid]
+
+
+def bench_cross(batch: int, padded: bool) -> list[dict]:
+    gen = torch.Generator().manual_seed(2)
+    dgen = torch.Generator(DEVICE).manual_seed(2)
+    varlen = varlen_fn()
+    rows = []
+    shapes = [
+        ("short-q long-kv", [192] * batch, torch.randint(256, 1001, (batch,), generator=gen).tolist(), 4),
+        ("long-q short-kv", torch.randint(256, 1001, (batch,), generator=gen).tolist(), [192] * batch, 3),
+    ]
+    for name, q_lens, kv_lens, heads in shapes:
+        q_off, kv_off = offsets_of(q_lens), offsets_of(kv_lens)
+        nq, nk = max(q_lens), max(kv_lens)
+        q, _, _ = leaves(sum(q_lens), heads, 128, 128, dgen)
+        _, k, v = leaves(sum(kv_lens), heads, 128, 128, dgen)
+        flops = attention_flops(cross_attention_pairs(q_off, kv_off), heads, 128, 128)
+        for act in ("softmax", "silu"):
+            fns = {"triton": functools.partial(tri_cross_attention, q, k, v, q_off, kv_off, nq, nk, activation=act)}
+            if act == "softmax" and padded:
+                fns["padded"] = functools.partial(padded_cross, q, k, v, q_off, kv_off, nq, nk)
+            if act == "softmax" and varlen is not None:
+                fns["torch_varlen"] = functools.partial(varlen, q, k, v, q_off, kv_off, nq, nk, False)
+            for row in time_variants(fns, [q, k, v], flops, 100):
+                row.update(op="cross", act=act, case=name, B=batch, H=heads, D=128, N=nk, lengths=name, targets=0)
+                rows.append(row)
+                print(fmt_row(row), flush=True)
+    return rows
+
+
+def fmt_row(r: dict) -> str:
+    head = f"{r['op']:5s} {r['act']:7s} N={r['N']:5d} {r['lengths']:15s} tg={r['targets']:2d} {r['impl']:12s}"
+    if "error" in r:
+        return f"{head} {r['error']}"
+    return (f"{head} fwd {r['fwd_ms']:8.3f}ms {r['fwd_tflops']:6.1f}TF | bwd {r['bwd_ms']:8.3f}ms {r['bwd_tflops']:6.1f}TF"
+            f" | f+b {r['fwdbwd_ms']:8.3f}ms {r['fwdbwd_tflops']:6.1f}TF | peak {r['peak_gb']:6.2f}GB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--lengths", nargs="+", default=["full", "uniform", "heavy"])
+    parser.add_argument("--targets", type=int, nargs="+", default=[0, 20])
+    parser.add_argument("--acts", nargs="+", default=["silu", "softmax"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--cross-batch", type=int, default=1024)
+    parser.add_argument("--no-padded", action="store_true", help="skip the padded PyTorch baselines")
+    parser.add_argument("--no-checks", action="store_true")
+    parser.add_argument("--no-cross", action="store_true")
+    parser.add_argument("--json", type=str, default=None, help="write every row here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "argv": sys.argv}
+    meta.update(ceilings())
+    print(json.dumps(meta), flush=True)
+    checks = [] if args.no_checks else run_checks()
+    for c in checks:
+        errs = " ".join(f"{k}={v:.1e}" for k, v in c["errors"].items())
+        print(f"check {c['case']:48s} {errs} rerun={c['rerun_max_diff']:.1e} finite={c['finite']}", flush=True)
+    rows = bench_self(args.n, args.lengths, args.targets, args.acts, args.batch, args.heads, args.dim, not args.no_padded)
+    if not args.no_cross:
+        rows += bench_cross(args.cross_batch, not args.no_padded)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
+    print("\n== summary ==")
+    for r in rows:
+        print(fmt_row(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""The ``gem`` command line: data, training, evaluation and the quickstart pipeline.
+
+Every subcommand validates its arguments before doing work and reports problems as one line
+(``gem: error: ...``, exit code 2) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from foundation.config import ConfigError, apply_overrides
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user-facing error: bad argument, missing file, unknown flavor."""
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if path:
+        from foundation.data.io import atomic_write_text
+
+        atomic_write_text(Path(path), json.dumps(payload, indent=2, sort_keys=True))
+        print(f"wrote {path}")
+
+
+def cmd_data_synth(args: argparse.Namespace) -> None:
+    from foundation.data.synthetic import SYNTH_PRESETS, generate_world
+
+    if args.preset not in SYNTH_PRESETS:
+        raise CLIError(f"unknown synth preset {args.preset!r}; known: {sorted(SYNTH_PRESETS)}")
+    cfg = apply_overrides(SYNTH_PRESETS[args.preset], args.overrides)
+    if args.seed is not None:
+        cfg.seed = args.seed
+    stats = generate_world(cfg, args.out, progress=True)
+    print(json.dumps(stats, indent=2, default=str))
+    _write_json(args.json, stats)
+
+
+def cmd_data_convert(args: argparse.Namespace) -> None:
+    from foundation.data.converters import convert
+
+    if not Path(args.input).is_file():
+        raise CLIError(f"input file not found: {args.input}")
+    stats = convert(args.format, args.input, args.out, policy=args.policy)
+    print(json.dumps(stats, indent=2, default=str))
+    _write_json(args.json, stats)
+
+
+def load_flavor(name: str, overrides: list[str]):
+    from experiments.flavors import get_flavor
+
+    return apply_overrides(get_flavor(name), overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from foundation.train import train
+
+    cfg = load_flavor(args.flavor, args.overrides)
+    if not Path(cfg.data.path, "schema.json").is_file():
+        raise CLIError(
+            f"dataset {cfg.data.path!r} not found; create it with `gem data synth --out {cfg.data.path}` "
+            "or point data.path=... at a dataset"
+        )
+    result = train(cfg, resume=not args.no_resume)
+    print(json.dumps(result, indent=2, sort_keys=True))
+    _write_json(args.json, result)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from foundation.train import evaluate
+
+    if not Path(args.ckpt).is_file():
+        raise CLIError(f"checkpoint not found: {args.ckpt}")
+    result = evaluate(args.ckpt, args.split, data_path=args.data)
+    print(json.dumps(result, indent=2, sort_keys=True))
+    _write_json(args.json, result)
+
+
+def cmd_quickstart(args: argparse.Namespace) -> None:
+    from experiments.quickstart import run_quickstart
+
+    report = run_quickstart(preset=args.preset, flavor=args.flavor, overrides=args.overrides)
+    _write_json(args.json, report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gem", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="create or convert datasets").add_subparsers(dest="data_command", required=True)
+    synth = data.add_parser("synth", help="generate the synthetic ads world")
+    synth.add_argument("--preset", default="default")
+    synth.add_argument("--out", required=True)
+    synth.add_argument("--seed", type=int)
+    synth.add_argument("--json")
+    synth.add_argument("overrides", nargs="*", help="field=value overrides of the synth config")
+    synth.set_defaults(fn=cmd_data_synth)
+
+    conv = data.add_parser("convert", help="convert public sequence data to the event schema")
+    conv.add_argument("--format", required=True, choices=["movielens-dat", "movielens-csv", "sasrec", "seq-tsv"])
+    conv.add_argument("--input", required=True)
+    conv.add_argument("--out", required=True)
+    conv.add_argument("--policy", default="error", choices=["error", "quarantine"])
+    conv.add_argument("--json")
+    conv.set_defaults(fn=cmd_data_convert)
+
+    tr = sub.add_parser("train", help="train a model flavor (resumes from the run's last checkpoint)")
+    tr.add_argument("--flavor", default="debug")
+    tr.add_argument("--no-resume", action="store_true")
+    tr.add_argument("--json")
+    tr.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.max_epochs=3")
+    tr.set_defaults(fn=cmd_train)
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint on a split")
+    ev.add_argument("--ckpt", required=True)
+    ev.add_argument("--split", default="test")
+    ev.add_argument("--data", help="dataset directory (default: the one the checkpoint was trained on)")
+    ev.add_argument("--json")
+    ev.set_defaults(fn=cmd_eval)
+
+    qs = sub.add_parser("quickstart", help="synthetic data -> training -> evaluation, all in MLflow")
+    qs.add_argument("--preset", default="default")
+    qs.add_argument("--flavor", default="default")
+    qs.add_argument("--json")
+    qs.add_argument("overrides", nargs="*")
+    qs.set_defaults(fn=cmd_quickstart)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from foundation.data.io import CorruptFileError
+    from foundation.data.validate import DataValidationError
+
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (CLIError, ConfigError, DataValidationError, CorruptFileError, FileNotFoundError) as exc:
+        print(f"gem: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

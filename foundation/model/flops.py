@@ -1,0 +1,182 @@
+"""Matmul FLOPs of the GEM teacher on valid tokens only, and MFU / tokens-per-second helpers.
+
+Conventions (those of :mod:`kernels.flops`): a ``[m, k] @ [k, n]`` product costs ``2·m·k·n``; only
+matrix products count (no elementwise work, no embedding lookups); attention counts only the
+(query, key) pairs that attend. A training step costs the forward plus a backward of 2x the forward
+for dense layers and :data:`kernels.flops.BACKWARD_FACTOR` x for attention.
+
+The count mirrors :class:`foundation.model.teacher.GEMTeacher`; ``tests/test_teacher_flops.py``
+checks it against ``torch.utils.flop_counter`` on the dense layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foundation.data.schema import TASKS, EventSchema
+from foundation.model.teacher_config import TeacherConfig
+from kernels.flops import BACKWARD_FACTOR, attention_flops
+
+# Dense (no sparsity) peak matmul throughput in FLOP/s, by device name fragment and precision.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "H100": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+
+
+def mm(m: float, k: float, n: float) -> float:
+    """FLOPs of an ``[m, k] @ [k, n]`` product."""
+    return 2.0 * m * k * n
+
+
+def self_attention_pairs(lengths: torch.Tensor, num_suffix: int) -> float:
+    """Attending pairs of HSTU self-attention: causal over each history, plus ``num_suffix`` targets
+    per row that each see the history and themselves (``lengths[B]`` are history lengths)."""
+    n = lengths.double()
+    return float((n * (n + 1) / 2 + num_suffix * (n + 1)).sum())
+
+
+def interaction_flops(cfg: TeacherConfig, batch: int, n_in: int, n_out: int) -> float:
+    """One interaction block ``[B, n_in, d] -> [B, n_out, d]`` (see :mod:`foundation.model.interaction`)."""
+    d = cfg.d_model
+    token_mix = mm(batch * d, n_in, n_out)
+    if cfg.interaction == "wukong":
+        n_fm, r, h = max(n_out // 2, 1), cfg.wukong_rank, cfg.wukong_hidden
+        fm = 2 * mm(batch * n_in, d, r) + mm(batch, n_in * r, h) + mm(batch, h, n_fm * d)
+        return fm + mm(batch * d, n_in, n_out - n_fm) + token_mix
+    cross = cfg.dcn_cross_layers * 2 * mm(batch, n_in * d, cfg.dcn_rank)
+    return cross + token_mix
+
+
+def summary_flops(cfg: TeacherConfig, batch: int, num_tokens: int) -> tuple[float, float]:
+    """``(dense, attention)`` FLOPs of one sequence summary (PMA + gate) over ``num_tokens`` history tokens."""
+    d, s = cfg.d_model, cfg.num_pma_seeds
+    n_summary = cfg.num_cls + s + cfg.num_recent
+    dense = mm(batch * n_summary, d, d)
+    attention = 0.0
+    if s:
+        dense += mm(s, d, d) + mm(num_tokens, d, 2 * d) + mm(batch * s, d, d)
+        attention = attention_flops(s * num_tokens, cfg.num_heads, d // cfg.num_heads, d // cfg.num_heads)
+    return dense, attention
+
+
+def teacher_flop_breakdown(
+    cfg: TeacherConfig, schema: EventSchema, offsets: torch.Tensor
+) -> dict[str, float]:
+    """Forward FLOPs of one batch by part: ``sequence``, ``attention``, ``interleave``, ``output``, ``generative``.
+
+    Args:
+        offsets: ``[B+1]`` history offsets of the batch (after truncation to ``max_len``).
+    """
+    next_item = schema.task == "next_item"
+    lengths = (offsets[1:] - offsets[:-1]).cpu()
+    b, num_tokens = lengths.numel(), int(lengths.sum())
+    d, h, e = cfg.d_model, cfg.num_heads, cfg.item_dim
+    with_candidate = cfg.target_aware and not next_item
+    num_suffix = cfg.num_cls + int(with_candidate)
+    combined = num_tokens + b * num_suffix
+    width = h * (2 * cfg.value_dim + 2 * cfg.attn_dim)
+    # History tokens, the candidate token (target-aware) and the candidate's item token (ctr output).
+    item_proj = 0.0 if e == d else mm(num_tokens + b * (int(with_candidate) + int(not next_item)), e, d)
+    layer = mm(combined, d, width) + mm(combined, h * cfg.value_dim, d)
+    parts = {
+        "sequence": item_proj + cfg.num_layers * layer,
+        "attention": cfg.num_layers
+        * attention_flops(self_attention_pairs(lengths, num_suffix), h, cfg.attn_dim, cfg.value_dim),
+        "interleave": 0.0,
+        "output": 0.0,
+        "generative": 0.0,
+    }
+    n_user = len(schema.user_features) + 1 if (not next_item or cfg.interleave) else 0
+    n_summary = cfg.num_cls + cfg.num_pma_seeds + cfg.num_recent
+    if cfg.interleave:
+        num_summaries = cfg.num_layers - 1 if next_item else cfg.num_layers
+        widths = [n_user] + [cfg.interaction_tokens] * cfg.num_layers
+        for i in range(cfg.num_layers):
+            pffn = mm(b, widths[i] * d, 2 * cfg.pffn_hidden) + 2 * mm(combined, d, cfg.pffn_hidden)
+            parts["interleave"] += pffn
+            if i < num_summaries:
+                dense, attention = summary_flops(cfg, b, num_tokens)
+                parts["interleave"] += dense + interaction_flops(
+                    cfg, b, widths[i] + n_summary, cfg.interaction_tokens
+                )
+                parts["attention"] += attention
+        n_user = cfg.interaction_tokens
+    if not next_item:
+        if not cfg.interleave:
+            dense, attention = summary_flops(cfg, b, num_tokens)
+            parts["interleave"] += dense
+            parts["attention"] += attention
+        parts["output"] = ctr_output_flops(cfg, schema, b, n_user + n_summary, with_candidate)
+    if next_item or cfg.generative:
+        positions = num_tokens + (b if next_item else 0)
+        # The positive's logit is elementwise; negatives (uniform, in-batch) are matrix products.
+        candidates = cfg.num_negatives + (b if cfg.in_batch_negatives else 0)
+        parts["generative"] = (0.0 if e == d else mm(num_tokens, d, e)) + mm(positions, e, candidates)
+    return parts
+
+
+def ctr_output_flops(
+    cfg: TeacherConfig, schema: EventSchema, b: int, n_user_side: int, with_candidate: bool
+) -> float:
+    """Towers, the final interaction stack, experts, gates and heads."""
+    d = cfg.d_model
+    n_item = 1 + len(schema.item_features)
+    towers = mm(b, n_user_side * d, cfg.repr_dim) + mm(b, n_item * d, cfg.repr_dim)
+    dense = mm(b, schema.dense_dim, d) if schema.dense_dim else 0.0
+    n_in = n_user_side + int(with_candidate) + n_item + 1 + int(schema.dense_dim > 0)
+    stack = 0.0
+    for _ in range(cfg.num_final_interaction_blocks):
+        stack += interaction_flops(cfg, b, n_in, cfg.interaction_tokens)
+        n_in = cfg.interaction_tokens
+    tasks = len(TASKS)
+    per_row = cfg.num_shared_experts + cfg.num_domain_experts
+    num_experts = cfg.num_shared_experts + schema.num_domains * cfg.num_domain_experts
+    d_in = n_in * d
+    experts = mm(b, d_in, num_experts * cfg.expert_hidden) + mm(
+        b * num_experts, cfg.expert_hidden, cfg.expert_dim
+    )
+    gates = mm(b, d_in, schema.num_domains * tasks * per_row) + mm(b * tasks, per_row, cfg.expert_dim)
+    return towers + dense + stack + experts + gates
+
+
+def teacher_flops(
+    cfg: TeacherConfig, schema: EventSchema, offsets: torch.Tensor, *, training: bool = True
+) -> float:
+    """FLOPs of one forward (``training=False``) or forward+backward step on a batch with ``offsets[B+1]``."""
+    parts = teacher_flop_breakdown(cfg, schema, offsets)
+    attention = parts.pop("attention")
+    dense = sum(parts.values())
+    if not training:
+        return dense + attention
+    return 3.0 * dense + (1.0 + BACKWARD_FACTOR) * attention
+
+
+def precision_key(precision: str) -> str:
+    """Lightning precision (``bf16-mixed``, ``16-mixed``, ``32-true``, ...) -> a :data:`PEAK_FLOPS` column.
+
+    float32 matmuls count at the TF32 peak when TF32 is enabled, else at the FP32 peak.
+    """
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """Peak FLOP/s of a device (``torch.cuda.get_device_name()``) at a Lightning precision; None if unknown."""
+    for fragment, table in PEAK_FLOPS.items():
+        if fragment in device_name:
+            return table[precision_key(precision)]
+    return None
+
+
+def throughput_metrics(flops: float, tokens: int, seconds: float, peak: float | None) -> dict[str, float]:
+    """``tokens_per_s``, ``tflops_per_s`` and (with a known peak) ``mfu`` of one step."""
+    seconds = max(seconds, 1e-9)
+    out = {"tokens_per_s": tokens / seconds, "tflops_per_s": flops / seconds / 1e12}
+    if peak:
+        out["mfu"] = flops / seconds / peak
+    return out

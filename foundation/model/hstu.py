@@ -1,0 +1,91 @@
+"""HSTU block (arXiv 2402.17152) over a jagged token batch.
+
+``U, V, Q, K = silu(W·LN(x))``; ``A = silu(alpha·QKᵀ + rel_bias)/N · V`` (causal, through
+:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``. The relative bias is a learned
+per-head table over position distance plus one over log time-difference buckets.
+
+``N`` is fixed by the config (the longest sequence the model is sized for), not the batch's
+longest sequence as the kernel uses, so that a user's representation does not depend on which
+other users share its batch (it is exported per user), as in HSTU, which pads to a fixed length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import jagged_attention
+
+
+class HSTUBlock(nn.Module):
+    """One HSTU layer: ``x[L, d]`` -> ``[L, d]`` on sequences given by ``offsets[B+1]``."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        attn_dim: int,
+        value_dim: int,
+        *,
+        dropout: float,
+        alpha: float | None,
+        pos_buckets: int,
+        time_buckets: int,
+        attention_norm: int,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.attn_dim, self.value_dim = num_heads, attn_dim, value_dim
+        self.alpha = alpha
+        self.attention_norm = attention_norm
+        self.input_norm = nn.LayerNorm(d_model)
+        self.uvqk = nn.Linear(d_model, num_heads * (2 * value_dim + 2 * attn_dim))
+        self.attn_norm = nn.LayerNorm(num_heads * value_dim)
+        self.output = nn.Linear(num_heads * value_dim, d_model)
+        self.dropout = nn.Dropout(dropout)
+        # Zero-initialised biases start the block as plain pointwise attention.
+        self.pos_bias = nn.Parameter(torch.zeros(num_heads, pos_buckets))
+        self.time_bias = nn.Parameter(torch.zeros(num_heads, time_buckets)) if time_buckets else None
+
+    def split_uvqk(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``."""
+        h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
+        u, v, q, k = torch.split(
+            nn.functional.silu(self.uvqk(self.input_norm(x))), [h * dv, h * dv, h * dqk, h * dqk], -1
+        )
+        return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        timestamps: torch.Tensor,
+        num_targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Args:
+        x: ``[L, d]`` tokens.
+        offsets: ``[B+1]``.
+        max_len: longest sequence (HSTU's ``N`` in ``1/N``).
+        timestamps: ``[L]`` int64 event times for the time bias.
+        num_targets: ``[B]`` or None: the last tokens of each row that see the history and
+            themselves only (CLS and candidate tokens).
+        """
+        u, v, q, k = self.split_uvqk(x)
+        attn = jagged_attention(
+            q,
+            k,
+            v,
+            offsets,
+            max_len,
+            activation="silu",
+            causal=True,
+            alpha=self.alpha,
+            num_targets=num_targets,
+            pos_bias=self.pos_bias,
+            time_bias=self.time_bias,
+            timestamps=timestamps if self.time_bias is not None else None,
+        )
+        # The kernel divides by the batch's max_len; rescale to the fixed 1/N.
+        attn = attn * (max_len / self.attention_norm)
+        gated = self.attn_norm(attn.reshape(x.shape[0], -1)) * u
+        return x + self.output(self.dropout(gated))

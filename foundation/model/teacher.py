@@ -1,0 +1,346 @@
+"""The GEM teacher: HSTU sequence blocks interleaved InterFormer-style with a Wukong/DCNv2 interaction
+arch, target-aware, with multi-domain experts and click/conversion heads, plus a generative
+next-item objective.
+
+Data flow for one batch (``L`` history tokens, ``B`` rows, ``d = d_model``)::
+
+    item table (torchrec EC) ─► history tokens [L, d] ─┐
+    candidate ─► candidate token [B, d] ───────────────┤ appended after each history as attention
+    CLS tokens [C, d] ─────────────────────────────────┘ targets: they see the history, not each other
+    user features (torchrec EBC) + a bias token ─► user tokens [B, n_u, d]
+
+    per layer:  sequence ← PFFN(sequence | user tokens)        (InterFormer: non-seq → seq)
+                sequence ← HSTU block (jagged, causal, targets)
+                summary  ← gate(CLS ⊕ PMA(history) ⊕ K most recent)
+                user tokens ← interaction(user tokens ⊕ summary)  (InterFormer: seq → non-seq)
+
+    user_repr  = tower(user tokens ⊕ summary)        never sees the candidate (targets are unseen)
+    logits     = heads_domain(experts(interaction(user ⊕ summary ⊕ candidate-after-attention
+                                                     ⊕ item features ⊕ domain ⊕ dense)))
+
+For ``next_item`` data (e.g. MovieLens) the model is HSTU's generative recommender: every
+history position predicts the next item (the last one predicts the candidate) with sampled
+softmax, and ``score_items`` ranks the whole catalogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from foundation.data.batch import JaggedBatch
+from foundation.data.schema import TASKS, EventSchema
+from foundation.model.embeddings import HistoryEmbedding, ItemEmbedding, SparseFeatureEmbedding
+from foundation.model.experts import MultiDomainExperts
+from foundation.model.flops import teacher_flops
+from foundation.model.generative import l2_normalize, next_item_targets, sampled_softmax_loss
+from foundation.model.hstu import HSTUBlock
+from foundation.model.interaction import build_interaction_block, build_interaction_stack
+from foundation.model.interformer import PersonalizedFFN, SequenceSummary
+from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
+from foundation.model.outputs import ModelOutput, multitask_bce
+from foundation.model.teacher_config import TEACHER_FLAVORS, TeacherConfig, teacher_flavor
+
+__all__ = ["TEACHER_FLAVORS", "GEMTeacher", "TeacherConfig", "build_teacher", "teacher_flavor"]
+
+
+@dataclass
+class Encoded:
+    """What the sequence and interleaved arches produce for a batch.
+
+    Attributes:
+        history: ``[L, d]`` history tokens after the last layer.
+        suffix: ``[B, S, d]`` CLS tokens then (ctr, target-aware) the candidate token, after the last layer.
+        user_tokens: ``[B, n_u, d]`` non-sequence user state (``n_u = 0`` when the model has none).
+        summary: ``[B, n_s, d]`` last sequence summary (``n_s = 0`` when none is built).
+        item_features: ``[B, F_item, d]`` the candidate's categorical features (ctr only).
+        candidate_vectors: ``[B, item_dim]`` candidate embeddings from the item table.
+    """
+
+    history: torch.Tensor
+    suffix: torch.Tensor
+    user_tokens: torch.Tensor
+    summary: torch.Tensor
+    item_features: torch.Tensor
+    candidate_vectors: torch.Tensor
+
+
+class GEMTeacher(nn.Module):
+    """``forward(batch) -> ModelOutput``, ``loss(batch, out)``, ``score_items(batch) -> [B, num_items]``.
+
+    On ctr data ``user_repr``/``item_repr`` are ``[B, repr_dim]`` towers whose scaled dot product is
+    part of every task logit (so the exported embeddings retrieve); on next_item data they are the
+    L2-normalised next-item query and candidate embedding (``[B, item_dim]``).
+    """
+
+    def __init__(self, cfg: TeacherConfig, schema: EventSchema) -> None:
+        super().__init__()
+        self.cfg, self.schema = cfg, schema
+        self.next_item = schema.task == "next_item"
+        d = cfg.d_model
+        self.items = ItemEmbedding(schema.num_items, cfg.item_dim)
+        self.history_embedding = HistoryEmbedding(cfg, schema)
+        # Next-item models read user features only through the interleaving (never item features).
+        self.uses_user_tokens = not self.next_item or cfg.interleave
+        if self.uses_user_tokens:
+            self.sparse_embedding = SparseFeatureEmbedding(schema, d, with_item_features=not self.next_item)
+            self.user_bias = nn.Parameter(torch.zeros(1, d))
+        self.cls_tokens = nn.Parameter(torch.randn(cfg.num_cls, d) * 0.02)
+        self.with_candidate_token = cfg.target_aware and not self.next_item
+        self.num_suffix = cfg.num_cls + int(self.with_candidate_token)
+        self.blocks = nn.ModuleList(
+            HSTUBlock(
+                d,
+                cfg.num_heads,
+                cfg.attn_dim,
+                cfg.value_dim,
+                dropout=cfg.dropout,
+                alpha=cfg.attn_alpha,
+                pos_buckets=cfg.pos_buckets,
+                time_buckets=cfg.time_buckets,
+                attention_norm=cfg.max_len + self.num_suffix,
+            )
+            for _ in range(cfg.num_layers)
+        )
+        self.num_user_tokens = self.build_interleaving(cfg, schema)
+        self.with_queries = self.next_item or cfg.generative
+        if self.with_queries:
+            self.query_proj = nn.Identity() if cfg.item_dim == d else nn.Linear(d, cfg.item_dim)
+        if self.next_item:
+            self.empty_history_query = nn.Parameter(torch.randn(cfg.item_dim) * 0.02)
+        else:
+            self.build_ctr_output(cfg, schema)
+
+    @property
+    def num_summary_tokens(self) -> int:
+        return self.cfg.num_cls + self.cfg.num_pma_seeds + self.cfg.num_recent if len(self.summaries) else 0
+
+    def build_interleaving(self, cfg: TeacherConfig, schema: EventSchema) -> int:
+        """Per-layer PFFN, sequence summary and interaction (InterFormer) when interleaving.
+
+        Without interleaving, ctr models summarise the sequence once, after the last layer. A
+        next_item model needs no summary after its last layer (nothing reads it).
+
+        Returns the number of user tokens leaving the sequence arch.
+        """
+        d = cfg.d_model
+        n_user = len(schema.user_features) + 1 if self.uses_user_tokens else 0
+        n_summary = cfg.num_cls + cfg.num_pma_seeds + cfg.num_recent
+        if cfg.interleave:
+            num_summaries = cfg.num_layers - 1 if self.next_item else cfg.num_layers
+        else:
+            num_summaries = int(not self.next_item)
+        self.summaries = nn.ModuleList(
+            SequenceSummary(d, cfg.num_heads, cfg.num_pma_seeds, cfg.num_recent) for _ in range(num_summaries)
+        )
+        if not cfg.interleave:
+            self.pffns, self.user_interactions = nn.ModuleList(), nn.ModuleList()
+            return n_user
+        widths = [n_user] + [cfg.interaction_tokens] * cfg.num_layers
+        self.pffns = nn.ModuleList(
+            PersonalizedFFN(d, widths[i], cfg.pffn_hidden, cfg.dropout) for i in range(cfg.num_layers)
+        )
+        self.user_interactions = nn.ModuleList(
+            build_interaction_block(cfg, widths[i] + n_summary, cfg.interaction_tokens)
+            for i in range(num_summaries)
+        )
+        return cfg.interaction_tokens
+
+    def build_ctr_output(self, cfg: TeacherConfig, schema: EventSchema) -> None:
+        """User/item towers, the candidate-aware interaction stack, experts and per-domain heads."""
+        d = cfg.d_model
+        n_item = 1 + len(schema.item_features)
+        n_user_side = self.num_user_tokens + self.num_summary_tokens
+        self.user_tower = nn.Linear(n_user_side * d, cfg.repr_dim)
+        self.item_tower = nn.Linear(n_item * d, cfg.repr_dim)
+        self.two_tower_scale = nn.Parameter(torch.ones(len(TASKS)))
+        self.domain_embedding = nn.Embedding(schema.num_domains, d)
+        self.dense_proj = nn.Linear(schema.dense_dim, d) if schema.dense_dim else None
+        n_final = n_user_side + int(self.with_candidate_token) + n_item + 1 + int(schema.dense_dim > 0)
+        self.final_interaction = build_interaction_stack(cfg, n_final, cfg.num_final_interaction_blocks)
+        n_out = cfg.interaction_tokens if cfg.num_final_interaction_blocks else n_final
+        self.experts = MultiDomainExperts(
+            n_out * d,
+            num_domains=schema.num_domains,
+            num_tasks=len(TASKS),
+            num_shared=cfg.num_shared_experts,
+            num_per_domain=cfg.num_domain_experts,
+            hidden=cfg.expert_hidden,
+            expert_dim=cfg.expert_dim,
+            dropout=cfg.dropout,
+        )
+
+    # -- sequence and interleaved arches ---------------------------------------------------------
+
+    def embed_non_sequence(self, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(user_tokens[B, n_u, d], item_features[B, F_item, d])``: user features plus a learned bias token."""
+        b = batch.batch_size
+        if not self.uses_user_tokens:
+            empty = batch.dense.new_zeros(b, 0, self.cfg.d_model)
+            return empty, empty
+        user_features, item_features = self.sparse_embedding(batch.sparse, b)
+        return torch.cat([user_features, self.user_bias.expand(b, 1, -1)], dim=1), item_features
+
+    def build_suffix(self, batch: JaggedBatch, candidate_vectors: torch.Tensor) -> torch.Tensor:
+        """``[B, S, d]``: CLS tokens, then the candidate token when target-aware."""
+        parts = [self.cls_tokens.expand(batch.batch_size, -1, -1)]
+        if self.with_candidate_token:
+            parts.append(self.history_embedding.embed_candidate(candidate_vectors, batch.domain)[:, None])
+        return torch.cat(parts, dim=1)
+
+    def summarize(
+        self, layer: int, seq: torch.Tensor, layout: SuffixLayout, batch: JaggedBatch
+    ) -> torch.Tensor:
+        history, suffix = layout.split(seq)
+        return self.summaries[layer](history, batch.offsets, batch.max_len, suffix[:, : self.cfg.num_cls])
+
+    def encode(self, batch: JaggedBatch) -> Encoded:
+        """Embeddings, then the HSTU layers interleaved with the non-sequence arch."""
+        num_tokens, b = batch.num_tokens, batch.batch_size
+        vectors = self.items(torch.cat([batch.history["item_ids"], batch.candidate]))
+        history_vectors, candidate_vectors = vectors.split([num_tokens, b])
+        user_tokens, item_features = self.embed_non_sequence(batch)
+
+        layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
+        seq = layout.combine(
+            self.history_embedding(batch, history_vectors), self.build_suffix(batch, candidate_vectors)
+        )
+        # CLS and candidate tokens happen "now": at the impression time.
+        timestamps = layout.combine(
+            batch.history["timestamps"], batch.timestamp[:, None].expand(b, self.num_suffix)
+        )
+        num_targets = layout.num_targets() if self.num_suffix else None
+        max_len = max(batch.max_len + self.num_suffix, 1)  # a batch of empty histories still has N >= 1
+        rows = token_rows(layout.offsets, seq.shape[0]) if self.cfg.interleave else None
+        summary = user_tokens.new_zeros(b, 0, self.cfg.d_model)
+        for layer, block in enumerate(self.blocks):
+            if self.cfg.interleave:
+                seq = self.pffns[layer](seq, rows, user_tokens)
+            seq = block(seq, layout.offsets, max_len, timestamps, num_targets)
+            if self.cfg.interleave and layer < len(self.summaries):
+                summary = self.summarize(layer, seq, layout, batch)
+                user_tokens = self.user_interactions[layer](torch.cat([user_tokens, summary], dim=1))
+        if not self.cfg.interleave and len(self.summaries):
+            summary = self.summarize(0, seq, layout, batch)
+        history, suffix = layout.split(seq)
+        return Encoded(history, suffix, user_tokens, summary, item_features, candidate_vectors)
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def next_item_queries(
+        self, batch: JaggedBatch, history: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """L2-normalised retrieval queries: ``([L, item_dim]`` per position, ``[B, item_dim]`` per row).
+
+        A row's query is its last history position's. Rows with an empty history get a learned
+        query on next_item data (trained on their candidate) and a zero query on ctr data.
+        """
+        queries = l2_normalize(self.query_proj(history))
+        fallback = l2_normalize(self.empty_history_query) if self.next_item else queries.new_zeros(())
+        last = gather_rows(queries, batch.offsets[1:] - 1, batch.lengths > 0, fallback)
+        return queries, last
+
+    def forward(self, batch: JaggedBatch) -> ModelOutput:
+        enc = self.encode(batch)
+        extra = {}
+        if self.with_queries:
+            extra["position_queries"], extra["next_item_query"] = self.next_item_queries(batch, enc.history)
+        if self.next_item:
+            user_repr, item_repr = extra["next_item_query"], l2_normalize(enc.candidate_vectors)
+            extra["candidate_score"] = (user_repr * item_repr).sum(-1) / self.cfg.temperature
+            return ModelOutput(logits={}, user_repr=user_repr, item_repr=item_repr, extra=extra)
+        return self.ctr_output(batch, enc, extra)
+
+    def ctr_output(self, batch: JaggedBatch, enc: Encoded, extra: dict[str, torch.Tensor]) -> ModelOutput:
+        """Towers, then the candidate-aware interaction, experts and per-domain heads."""
+        user_side = torch.cat([enc.user_tokens, enc.summary], dim=1)
+        item_tokens = torch.cat(
+            [self.history_embedding.embed_items(enc.candidate_vectors)[:, None], enc.item_features], 1
+        )
+        user_repr = self.user_tower(user_side.flatten(1))
+        item_repr = self.item_tower(item_tokens.flatten(1))
+        parts = [user_side]
+        if self.with_candidate_token:
+            parts.append(enc.suffix[:, -1:])
+        parts += [item_tokens, self.domain_embedding(batch.domain)[:, None]]
+        if self.dense_proj is not None:
+            parts.append(self.dense_proj(batch.dense)[:, None])
+        mixed = self.final_interaction(torch.cat(parts, dim=1))
+        two_tower = (user_repr * item_repr).sum(-1, keepdim=True) / self.cfg.repr_dim**0.5
+        logits = self.experts(mixed.flatten(1), batch.domain) + self.two_tower_scale * two_tower
+        return ModelOutput(
+            logits={task: logits[:, i] for i, task in enumerate(TASKS)},
+            user_repr=user_repr,
+            item_repr=item_repr,
+            extra=extra,
+        )
+
+    # -- losses and ranking -----------------------------------------------------------------------
+
+    def generative_loss(self, batch: JaggedBatch, out: ModelOutput) -> torch.Tensor:
+        """Mean sampled-softmax loss over the positions that have a next item.
+
+        On next_item data the last history position predicts the candidate, and a row with an
+        empty history predicts it from the learned empty-history query.
+        """
+        candidate = batch.candidate if self.next_item else None
+        targets, valid = next_item_targets(batch.history["item_ids"], batch.offsets, candidate)
+        queries = out.extra["position_queries"]
+        if self.next_item:
+            queries = torch.cat([queries, out.extra["next_item_query"]])
+            targets = torch.cat([targets, batch.candidate])
+            valid = torch.cat([valid, batch.lengths == 0])
+        n, k = targets.numel(), self.cfg.num_negatives
+        negatives = torch.randint(self.schema.num_items, (n, k), device=targets.device)
+        shared = batch.candidate if self.cfg.in_batch_negatives else targets[:0]
+        vectors = l2_normalize(self.items(torch.cat([targets, negatives.flatten(), shared])))
+        target_vec, negative_vec, shared_vec = vectors.split([n, n * k, shared.numel()])
+        per_position = sampled_softmax_loss(
+            queries,
+            targets,
+            target_vec,
+            negatives,
+            negative_vec.view(n, k, self.cfg.item_dim),
+            self.cfg.temperature,
+            shared if self.cfg.in_batch_negatives else None,
+            shared_vec if self.cfg.in_batch_negatives else None,
+        )
+        weight = valid.to(per_position.dtype)
+        return (per_position * weight).sum() / weight.sum().clamp_min(1.0)
+
+    def loss(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor]:
+        """``{"loss", ...terms}``: the generative loss (next_item), or masked BCE per task (ctr) plus,
+        when ``cfg.generative``, the weighted generative loss."""
+        if self.next_item:
+            generative = self.generative_loss(batch, out)
+            return {"loss": generative, "loss_next_item": generative}
+        terms = multitask_bce(batch, out, self.cfg.loss_weights)
+        if self.cfg.generative:
+            generative = self.generative_loss(batch, out)
+            terms["loss"] = terms["loss"] + self.cfg.generative_weight * generative
+            terms["loss_next_item"] = generative
+        return terms
+
+    def score_items(self, batch: JaggedBatch) -> torch.Tensor:
+        """``[B, num_items]`` cosine / temperature of every row's next-item query against the whole catalogue.
+
+        Excluding items the user has already seen is the evaluator's job.
+        """
+        if not self.with_queries:
+            raise ValueError(
+                "score_items needs the generative objective: set teacher.generative=true for ctr data"
+            )
+        query = self(batch).extra["next_item_query"]
+        table = l2_normalize(self.items.all_items(query.device))
+        return query @ table.T / self.cfg.temperature
+
+    def flops(self, batch: JaggedBatch, *, training: bool = True) -> float:
+        """Matmul FLOPs of one step on this batch, valid tokens only (see :mod:`foundation.model.flops`)."""
+        return teacher_flops(self.cfg, self.schema, batch.offsets, training=training)
+
+
+def build_teacher(cfg: TeacherConfig, schema: EventSchema) -> GEMTeacher:
+    """The GEM teacher for a dataset's schema (``ctr`` or ``next_item`` task)."""
+    return GEMTeacher(cfg, schema)

@@ -1,0 +1,285 @@
+"""Jagged attention: the Triton kernels (interpreted on CPU) against the PyTorch reference.
+
+The reference itself is checked first against a per-pair loop written straight from the mask
+rules, so a shared misunderstanding cannot pass both. Shapes stay tiny: the interpreter runs
+every program in Python.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import jagged_attention, jagged_cross_attention
+from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
+from kernels.pytorch.jagged_attention import time_bucket
+
+ACTS = ["softmax", "silu", "gelu", "relu", "identity"]
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _inputs(lengths, heads, dqk, dv, dtype, seed, *, pos=0, time=0, shared_bias=False):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)
+
+    bias_heads = 1 if shared_bias else heads
+    return dict(
+        q=leaf(total, heads, dqk),
+        k=leaf(total, heads, dqk),
+        v=leaf(total, heads, dv),
+        pos_bias=torch.randn(bias_heads, pos, generator=g).requires_grad_(True) if pos else None,
+        time_bias=torch.randn(bias_heads, time, generator=g).requires_grad_(True) if time else None,
+        timestamps=torch.randint(0, 5000, (total,), generator=g).cumsum(0) if time else None,
+    )
+
+
+def _run(backend, tensors, offsets, max_len, grad_seed, **kwargs):
+    """Forward + backward with a fixed random upstream gradient; returns output and grads."""
+    leaves = [tensors[n] for n in ("q", "k", "v", "pos_bias", "time_bias")]
+    for x in leaves:
+        if x is not None:
+            x.grad = None
+    out = jagged_attention(
+        tensors["q"], tensors["k"], tensors["v"], offsets, max_len,
+        pos_bias=tensors["pos_bias"], time_bias=tensors["time_bias"], timestamps=tensors["timestamps"],
+        backend=backend, **kwargs,
+    )
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    (out.float() * upstream.float()).sum().backward()
+    return [out.detach()] + [x.grad.clone() if x is not None else None for x in leaves]
+
+
+def _assert_close(got, want, tol, what):
+    names = ["out", "dq", "dk", "dv", "dpos_bias", "dtime_bias"][: len(want)]
+    for name, a, b in zip(names, got, want, strict=True):
+        if b is None:
+            continue
+        assert torch.isfinite(a).all(), f"{what}: {name} has non-finite values"
+        err = _rel(a, b)
+        assert err < tol, f"{what}: {name} relative error {err:.2e} >= {tol}"
+
+
+def _naive(q, k, v, lengths, max_len, activation, causal, alpha, num_targets, window, pos_bias, time_bias, ts):
+    """Per-pair loop straight from the documented rules, in float64."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    start = 0
+    for b, n in enumerate(lengths):
+        n_hist = n - (int(num_targets[b]) if num_targets is not None else 0)
+        for h in range(q.shape[1]):
+            for i in range(n):
+                keys, scores = [], []
+                for j in range(n):
+                    if causal and j > i:
+                        continue
+                    if j >= n_hist and j != i:
+                        continue
+                    pi, pj = min(i, n_hist), min(j, n_hist)
+                    if window is not None and abs(pi - pj) >= window:
+                        continue
+                    s = alpha * float(q[start + i, h].double() @ k[start + j, h].double())
+                    if pos_bias is not None:
+                        s += float(pos_bias[h % pos_bias.shape[0], min(abs(pi - pj), pos_bias.shape[1] - 1)])
+                    if time_bias is not None:
+                        dt = abs(int(ts[start + i]) - int(ts[start + j]))
+                        bucket = min(math.floor(math.log(max(dt, 1)) / 0.301), time_bias.shape[1] - 1)
+                        s += float(time_bias[h % time_bias.shape[0], bucket])
+                    keys.append(j)
+                    scores.append(s)
+                s = torch.tensor(scores, dtype=torch.float64)
+                if activation == "softmax":
+                    w = torch.softmax(s, 0)
+                else:
+                    fn = {
+                        "silu": torch.nn.functional.silu,
+                        "gelu": torch.nn.functional.gelu,
+                        "relu": torch.relu,
+                        "identity": lambda x: x,
+                    }[activation]
+                    w = fn(s) / max_len
+                out[start + i, h] = w @ v[[start + j for j in keys], h].double()
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(causal=True),
+        dict(causal=False, window=3),
+        dict(causal=True, targets=True, window=4, pos=5, time=6),
+        dict(causal=False, targets=True, pos=4),
+    ],
+)
+def test_reference_matches_per_pair_loop(activation, flags):
+    lengths = [0, 1, 9, 6]
+    t = _inputs(lengths, 2, 8, 4, torch.float64, seed=1, pos=flags.get("pos", 0), time=flags.get("time", 0))
+    num_targets = torch.tensor([0, 1, 3, 2]) if flags.get("targets") else None
+    kwargs = dict(activation=activation, causal=flags["causal"], alpha=0.3, num_targets=num_targets, window=flags.get("window"))
+    got = jagged_attention(
+        t["q"], t["k"], t["v"], _offsets(lengths), 10,
+        pos_bias=t["pos_bias"], time_bias=t["time_bias"], timestamps=t["timestamps"], backend="pytorch", **kwargs,
+    )
+    want = _naive(
+        t["q"].detach(), t["k"].detach(), t["v"].detach(), lengths, 10, activation, flags["causal"], 0.3,
+        num_targets, flags.get("window"), t["pos_bias"], t["time_bias"], t["timestamps"],
+    )
+    assert _rel(got.detach(), want) < 1e-10
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(causal=True),
+        dict(causal=False),
+        dict(causal=True, targets=True),
+        dict(causal=True, window=7),
+        dict(causal=False, targets=True, window=5, pos=9, time=7),
+        dict(causal=True, targets=True, pos=6, time=5, shared_bias=True),
+    ],
+    ids=["causal", "full", "targets", "window", "noncausal-all", "causal-bias-shared"],
+)
+def test_triton_matches_reference_fp32(activation, flags):
+    # Lengths 0, 1, the maximum and ragged ones; max_len above the longest, as in real batches.
+    lengths = [37, 0, 1, 20, 5, 40]
+    t = _inputs(lengths, 2, 24, 20, torch.float32, seed=hash((activation, str(flags))) % 1000,
+                pos=flags.get("pos", 0), time=flags.get("time", 0), shared_bias=flags.get("shared_bias", False))
+    num_targets = torch.tensor([4, 0, 1, 20, 2, 3]) if flags.get("targets") else None
+    kwargs = dict(activation=activation, causal=flags["causal"], num_targets=num_targets, window=flags.get("window"))
+    offsets = _offsets(lengths)
+    want = _run("pytorch", t, offsets, 41, 7, **kwargs)
+    got = _run("triton", t, offsets, 41, 7, **kwargs)
+    _assert_close(got, want, 1e-4, f"{activation} {flags}")
+
+
+@pytest.mark.parametrize("dims", [(16, 16), (64, 32), (40, 72)])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_triton_head_dims_fp16(dims, activation):
+    dqk, dv = dims
+    lengths = [1, 33, 0, 12]
+    t = _inputs(lengths, 3, dqk, dv, torch.float16, seed=dqk + dv)
+    kwargs = dict(activation=activation, causal=True, num_targets=torch.tensor([1, 3, 0, 0]))
+    offsets = _offsets(lengths)
+    want = _run("pytorch", t, offsets, 33, 3, **kwargs)
+    got = _run("triton", t, offsets, 33, 3, **kwargs)
+    assert all(g.dtype == torch.float16 for g in got[:4])
+    _assert_close(got, want, 1e-2, f"fp16 {dims} {activation}")
+
+
+def test_triton_backward_is_deterministic():
+    lengths = [30, 7]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=5, pos=4)
+    kwargs = dict(activation="silu", causal=True)
+    first = _run("triton", t, _offsets(lengths), 30, 1, **kwargs)
+    second = _run("triton", t, _offsets(lengths), 30, 1, **kwargs)
+    for a, b in zip(first[:4], second[:4], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_all_empty_batch():
+    t = _inputs([0, 0], 2, 16, 16, torch.float32, seed=0)
+    got = _run("triton", t, _offsets([0, 0]), 0, 0, activation="softmax")
+    assert got[0].shape == (0, 2, 16)
+    assert got[1].shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu", "gelu"])
+@pytest.mark.parametrize(
+    "shape",
+    [([3, 0, 2, 1], [40, 5, 0, 17]), ([33, 2, 17], [3, 1, 5])],
+    ids=["short-q-long-kv", "long-q-short-kv"],
+)
+def test_cross_attention_matches_reference(activation, shape):
+    q_lens, kv_lens = shape
+    g = torch.Generator().manual_seed(11)
+    heads, dqk, dv = 2, 32, 24
+    q = torch.randn(sum(q_lens), heads, dqk, generator=g).requires_grad_(True)
+    k = torch.randn(sum(kv_lens), heads, dqk, generator=g).requires_grad_(True)
+    v = torch.randn(sum(kv_lens), heads, dv, generator=g).requires_grad_(True)
+    q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
+    results = []
+    for backend in ("pytorch", "triton"):
+        for x in (q, k, v):
+            x.grad = None
+        out = jagged_cross_attention(q, k, v, q_off, kv_off, max(q_lens), max(kv_lens), activation=activation, backend=backend)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        (out * upstream).sum().backward()
+        results.append([out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()])
+    _assert_close(results[1], results[0], 1e-4, f"cross {activation} {shape}")
+    # A query whose sequence has no keys reads nothing.
+    if 0 in kv_lens:
+        b = kv_lens.index(0)
+        rows = slice(int(q_off[b]), int(q_off[b + 1]))
+        assert torch.equal(results[1][0][rows], torch.zeros_like(results[1][0][rows]))
+
+
+def test_auto_backend_uses_reference_on_cpu():
+    t = _inputs([4, 3], 1, 16, 16, torch.float32, seed=2)
+    offsets = _offsets([4, 3])
+    auto = jagged_attention(t["q"], t["k"], t["v"], offsets, 4)
+    ref = jagged_attention(t["q"], t["k"], t["v"], offsets, 4, backend="pytorch")
+    assert torch.equal(auto, ref)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(offsets=torch.tensor([0, 3, 6])), "offsets"),
+        (dict(offsets=torch.tensor([0.0, 7.0])), "offsets"),
+        (dict(max_len=3), "max length"),
+        (dict(v=torch.randn(6, 2, 8)), "v"),
+        (dict(k=torch.randn(7, 2, 4)), "q"),
+        (dict(activation="tanh"), "activation"),
+        (dict(num_targets=torch.tensor([5, 0])), "num_targets"),
+        (dict(num_targets=torch.tensor([1])), "num_targets"),
+        (dict(window=0), "window"),
+        (dict(pos_bias=torch.randn(3, 4)), "pos_bias"),
+        (dict(time_bias=torch.randn(2, 4)), "timestamps"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
+def test_bad_input_names_the_argument(change, message):
+    args = dict(q=torch.randn(7, 2, 8), k=torch.randn(7, 2, 8), v=torch.randn(7, 2, 8), offsets=_offsets([4, 3]), max_len=4)
+    args.update(change)
+    positional = [args.pop(n) for n in ("q", "k", "v", "offsets", "max_len")]
+    with pytest.raises(ValueError, match=message):
+        jagged_attention(*positional, **args)
+
+
+def test_cross_attention_bad_offsets():
+    q, k = torch.randn(3, 1, 8), torch.randn(5, 1, 8)
+    with pytest.raises(ValueError, match="kv_offsets"):
+        jagged_cross_attention(q, k, k, _offsets([1, 2]), _offsets([2, 2]), 2, 2)
+    with pytest.raises(ValueError, match="B="):
+        jagged_cross_attention(q, k, k, _offsets([1, 2]), _offsets([5]), 2, 5)
+
+
+def test_time_bucket_is_log_base_e_over_0301():
+    dt = torch.tensor([0, 1, 2, 3, 10, -10, 100, 10**9])
+    want = [0, 0, 2, 3, 7, 7, 15, 19]
+    assert time_bucket(dt, 20).tolist() == want
+
+
+def test_flop_counts_on_valid_pairs():
+    offsets = _offsets([3, 0, 2])
+    assert valid_pairs(offsets, 3, causal=True) == 6 + 3
+    assert valid_pairs(offsets, 3, causal=False) == 9 + 4
+    # Targets: 3 tokens with 1 target: history pairs (0,0),(1,0),(1,1) + target sees 2 + itself.
+    assert valid_pairs(_offsets([3]), 3, causal=True, num_targets=torch.tensor([1])) == 6
+    assert valid_pairs(_offsets([4]), 4, causal=True, window=2) == 7
+    assert attention_flops(10, 2, 64, 32) == 2.0 * 10 * 2 * 96
+    assert attention_flops(10, 2, 64, 32, backward=True) == 2.5 * attention_flops(10, 2, 64, 32)
+    assert cross_attention_pairs(_offsets([2, 1]), _offsets([5, 0])) == 10

@@ -1,0 +1,118 @@
+"""The training harness: an exact resume after SIGKILL, checkpoints, MLflow records, eval output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from foundation.cli import main
+from foundation.train import load_checkpoint_file
+from tests.events import write_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("events"), rows={"train": 2400, "valid": 300, "test": 300}, row_group_size=200)
+
+
+def _gem(*args: str, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "foundation.cli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _train_args(dataset: Path, out: Path, workers: int) -> list[str]:
+    return [
+        "train",
+        "--flavor",
+        "debug",
+        f"data.path={dataset}",
+        f"data.num_workers={workers}",
+        "data.batch_size=32",
+        f"train.out_dir={out}",
+        f"train.tracking_uri=sqlite:///{out}/mlflow.db",
+        "train.checkpoint_every_n_steps=7",
+        "train.progress_bar=false",
+        "model.dlrm.bottom_mlp=(256,256)",
+        "model.dlrm.top_mlp=(512,256)",
+    ]
+
+
+def _final_state(out: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint_file(out / "debug" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(dataset, tmp_path, workers):
+    ref_out, cut_out = tmp_path / "ref", tmp_path / "cut"
+    ref = _gem(*_train_args(dataset, ref_out, workers), cwd=tmp_path)
+    assert ref.wait(timeout=600) == 0, ref.stdout.read()
+
+    victim = _gem(*_train_args(dataset, cut_out, workers), cwd=tmp_path)
+    last = cut_out / "debug" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not last.exists() and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = load_checkpoint_file(last)["global_step"]
+    final_steps = _final_state(ref_out)["global_step"]
+    assert 0 < killed_at < final_steps
+
+    resumed = _gem(*_train_args(dataset, cut_out, workers), cwd=tmp_path)
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read()
+
+    a, b = _final_state(ref_out), _final_state(cut_out)
+    assert a["global_step"] == b["global_step"] == final_steps
+    for name, tensor in a["state_dict"].items():
+        assert torch.equal(tensor, b["state_dict"][name]), name
+
+    mlflow.set_tracking_uri(f"sqlite:///{cut_out}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["gem"])
+    assert len(runs) == 1, "the resumed run must continue the same MLflow run"
+    mlflow.set_tracking_uri(f"sqlite:///{ref_out}/mlflow.db")
+    ref_run = mlflow.search_runs(experiment_names=["gem"]).iloc[0]
+    resumed_run = runs.iloc[0]
+    for metric in ("metrics.val/click/ne", "metrics.val/click/auc", "metrics.val/conversion/ne"):
+        assert resumed_run[metric] == ref_run[metric]
+
+
+def test_eval_writes_json_and_cli_errors_are_clear(dataset, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*_train_args(dataset, out, 0), "train.max_epochs=1"]
+    proc = _gem(*args, cwd=tmp_path)
+    assert proc.wait(timeout=600) == 0, proc.stdout.read()
+    ckpt = out / "debug" / "checkpoints" / "last.ckpt"
+    report = tmp_path / "eval.json"
+    proc = _gem("eval", "--ckpt", str(ckpt), "--split", "test", "--json", str(report), cwd=tmp_path)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    metrics = json.loads(report.read_text())["metrics"]
+    for key in ("click/ne", "click/auc", "click/calibration", "click/ne/d0", "click/oracle_ne", "click/base_rate_ne"):
+        assert key in metrics
+
+    for bad_args, expected in [
+        (["train", "--flavor", "nope"], "unknown flavor 'nope'"),
+        (["train", "--flavor", "debug", "train.nope=1"], "unknown field 'nope'"),
+        (["train", "--flavor", "debug", "train.lr=fast"], "cannot parse"),
+        (["train", "--flavor", "debug", "data.path=/nonexistent"], "dataset '/nonexistent' not found"),
+        (["eval", "--ckpt", "/nonexistent.ckpt"], "checkpoint not found"),
+    ]:
+        assert main(bad_args) == 2
+        assert expected in capsys.readouterr().err
+
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    assert main(["eval", "--ckpt", str(ckpt)]) == 2
+    assert "unreadable checkpoint" in capsys.readouterr().err
