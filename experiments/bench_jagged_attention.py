@@ -19,8 +19,10 @@ import functools
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import sys
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -135,26 +137,75 @@ def check_cross(name, q_lens, kv_lens, heads, d, gen, activation) -> dict:
     return {"case": name, "errors": errs, "rerun_max_diff": rerun, "finite": all(torch.isfinite(a).all().item() for a in got)}
 
 
-def run_checks() -> list[dict]:
-    # Checks compile one config per variant: autotuning every variant would cost minutes.
-    os.environ["GEM_KERNELS_AUTOTUNE"] = "0"
-    gen = torch.Generator(DEVICE).manual_seed(0)
-    lengths = [0, 1, 700, 333, 64, 17, 700, 129]
-    nt = torch.tensor([0, 1, 20, 3, 0, 17, 5, 2], device=DEVICE)
-    rows = []
+CHECK_LENGTHS = [0, 1, 700, 333, 64, 17, 700, 129]
+CHECK_TARGETS = [0, 1, 20, 3, 0, 17, 5, 2]
+
+
+def check_jobs() -> list[tuple]:
+    """Every checked variant: (kind, name, arguments); run in worker processes."""
+    jobs = []
     for act in ("softmax", "silu", "gelu", "relu", "identity"):
-        rows.append(check_self(f"{act} causal D=128", lengths, 2, 128, 128, gen, activation=act, causal=True))
+        jobs.append(("self", f"{act} causal D=128", dict(heads=2, dqk=128, dv=128, activation=act, causal=True)))
     for act in ("softmax", "silu"):
-        rows.append(check_self(f"{act} non-causal D=64", lengths, 2, 64, 64, gen, activation=act, causal=False))
-        rows.append(check_self(f"{act} causal targets+window+pos+time D=128", lengths, 2, 128, 128, gen,
-                               activation=act, causal=True, num_targets=nt, window=100, pos=64, time=32))
-        rows.append(check_self(f"{act} causal targets Dqk=96 Dv=80", lengths, 3, 96, 80, gen,
-                               activation=act, causal=True, num_targets=nt))
-    for act in ("softmax", "silu"):
-        rows.append(check_cross(f"cross {act} short-q long-kv", [5, 0, 192, 7], [900, 30, 256, 0], 4, 128, gen, act))
-        rows.append(check_cross(f"cross {act} long-q short-kv", [900, 30, 256], [192, 5, 1], 3, 128, gen, act))
-    del os.environ["GEM_KERNELS_AUTOTUNE"]
-    return rows
+        jobs.append(("self", f"{act} non-causal D=64", dict(heads=2, dqk=64, dv=64, activation=act, causal=False)))
+        jobs.append(("self", f"{act} causal targets+window+pos+time D=128",
+                     dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64, time=32)))
+        jobs.append(("self", f"{act} causal targets+window+pos+time deterministic",
+                     dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64, time=32,
+                          det=True)))
+        jobs.append(("self", f"{act} causal targets Dqk=96 Dv=80",
+                     dict(heads=3, dqk=96, dv=80, activation=act, causal=True, targets=True)))
+        jobs.append(("cross", f"cross {act} short-q long-kv", dict(q_lens=[5, 0, 192, 7], kv_lens=[900, 30, 256, 0], heads=4, activation=act)))
+        jobs.append(("cross", f"cross {act} long-q short-kv", dict(q_lens=[900, 30, 256], kv_lens=[192, 5, 1], heads=3, activation=act)))
+    return jobs
+
+
+def warm_jobs(acts, targets, heads, dim, cross: bool) -> list[tuple]:
+    """Autotuned variants the timing phase will use: compiled ahead, in parallel, into Triton's cache."""
+    jobs = [("warm-self", f"{a} tg={t}", dict(activation=a, targets=bool(t), heads=heads, dim=dim)) for a in acts for t in targets]
+    if cross:
+        jobs += [("warm-cross", f"cross {a} H={h}", dict(activation=a, heads=h)) for a in ("softmax", "silu") for h in (3, 4)]
+    return jobs
+
+
+def run_job(job: tuple) -> dict | None:
+    kind, name, kw = job
+    kw = dict(kw)
+    os.environ["GEM_KERNELS_DETERMINISTIC"] = "0"
+    gen = torch.Generator(DEVICE).manual_seed(zlib.crc32(name.encode()))
+    if kind.startswith("warm"):
+        os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
+        if kind == "warm-self":
+            lengths = [1000, 37, 300, 5]
+            offsets = offsets_of(lengths)
+            q, k, v = leaves(sum(lengths), kw["heads"], kw["dim"], kw["dim"], gen)
+            nt = torch.tensor([20, 20, 20, 5], device=DEVICE) if kw["targets"] else None
+            for det in ("0", "1"):
+                os.environ["GEM_KERNELS_DETERMINISTIC"] = det
+                fwd_bwd(lambda: tri_attention(q, k, v, offsets, 1000, activation=kw["activation"], causal=True,
+                                              num_targets=nt), [q, k, v], 0)
+        else:
+            q_off, kv_off = offsets_of([192, 192]), offsets_of([300, 1000])
+            q, _, _ = leaves(384, kw["heads"], 128, 128, gen)
+            _, k, v = leaves(1300, kw["heads"], 128, 128, gen)
+            fwd_bwd(lambda: tri_cross_attention(q, k, v, q_off, kv_off, 192, 1000, activation=kw["activation"]), [q, k, v], 0)
+        return None
+    # Checks compile one config per variant: autotuning every checked variant would cost minutes.
+    os.environ["GEM_KERNELS_AUTOTUNE"] = "0"
+    if kw.pop("det", False):
+        os.environ["GEM_KERNELS_DETERMINISTIC"] = "1"
+    if kind == "cross":
+        return check_cross(name, kw.pop("q_lens"), kw.pop("kv_lens"), kw.pop("heads"), 128, gen, kw.pop("activation"))
+    if kw.pop("targets", False):
+        kw["num_targets"] = torch.tensor(CHECK_TARGETS, device=DEVICE)
+    return check_self(name, CHECK_LENGTHS, kw.pop("heads"), kw.pop("dqk"), kw.pop("dv"), gen, **kw)
+
+
+def run_parallel(jobs: list[tuple], workers: int) -> list[dict]:
+    """Run jobs in spawned processes: Triton compiles on one core each, and the box has many."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        return [r for r in pool.map(run_job, jobs, chunksize=1) if r is not None]
 
 
 def padded_self(q, k, v, offsets, n, lengths_t, activation, num_targets):
@@ -199,6 +250,28 @@ def varlen_fn():
     return call
 
 
+def graph_ms(step, tensors, grad: bool) -> float:
+    """Median time of ``step`` replayed from a CUDA graph: the kernels without the host's launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.set_grad_enabled(grad):
+        for _ in range(3):
+            for x in tensors:
+                x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in tensors:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.set_grad_enabled(grad):
+        step()
+    ms = median_ms(graph.replay)
+    del graph
+    for x in tensors:
+        x.grad = None
+    return ms
+
+
 def _forward_backward(fn, upstream):
     fn().backward(upstream)
 
@@ -208,18 +281,27 @@ def time_variants(name_fns: dict, tensors, flops_fwd: float, rep: int) -> list[d
     rows = []
     for impl, fn in name_fns.items():
         row = {"impl": impl}
+        # "-det" rows run the deterministic backward (a separate dQ pass, no atomics).
+        os.environ["GEM_KERNELS_DETERMINISTIC"] = "1" if impl.endswith("-det") else "0"
+        # The padded path runs ~100 ms a step at N=8192: a few repeats give a stable median.
+        rep_ms = 30 if impl == "padded" else rep
         try:
             with torch.no_grad():
-                t_f = median_ms(fn, rep=rep)
+                t_f = median_ms(fn, rep=rep_ms)
             out = fn()
             g = torch.randn_like(out)
-            t_b = median_ms(lambda out=out, g=g: out.backward(g, retain_graph=True), grad_to_none=tensors, rep=rep)
+            t_b = median_ms(lambda out=out, g=g: out.backward(g, retain_graph=True), grad_to_none=tensors, rep=rep_ms)
             del out
             step = functools.partial(_forward_backward, fn, g)
-            t_fb = median_ms(step, grad_to_none=tensors, rep=rep)
+            t_fb = median_ms(step, grad_to_none=tensors, rep=rep_ms)
             for x in tensors:
                 x.grad = None
             mem = peak_gb(step)
+            if impl.startswith("triton"):
+                t_fg = graph_ms(fn, tensors, grad=False)
+                t_fbg = graph_ms(step, tensors, grad=True)
+                row.update(fwd_graph_ms=t_fg, fwdbwd_graph_ms=t_fbg,
+                           fwd_graph_tflops=flops_fwd / t_fg / 1e9, fwdbwd_graph_tflops=flops_fwd * 3.5 / t_fbg / 1e9)
             row.update(
                 fwd_ms=t_f, bwd_ms=t_b, fwdbwd_ms=t_fb, peak_gb=mem,
                 fwd_tflops=flops_fwd / t_f / 1e9,
@@ -253,8 +335,9 @@ def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool) -> lis
                 pairs = valid_pairs(offsets, n, causal=True, num_targets=num_targets)
                 flops = attention_flops(pairs, heads, dim, dim)
                 for act in acts:
-                    fns = {"triton": functools.partial(tri_attention, q, k, v, offsets, n, activation=act,
-                                                       causal=True, num_targets=num_targets)}
+                    tri = functools.partial(tri_attention, q, k, v, offsets, n, activation=act, causal=True,
+                                            num_targets=num_targets)
+                    fns = {"triton": tri, "triton-det": tri} if n_t == 0 else {"triton": tri}
                     if padded:
                         fns["padded"] = functools.partial(padded_self, q, k, v, offsets, n, lengths_t, act, num_targets)
                     if act == "softmax" and n_t == 0 and varlen is not None:
@@ -312,8 +395,11 @@ def fmt_row(r: dict) -> str:
     head = f"{r['op']:5s} {r['act']:7s} N={r['N']:5d} {r['lengths']:15s} tg={r['targets']:2d} {r['impl']:12s}"
     if "error" in r:
         return f"{head} {r['error']}"
-    return (f"{head} fwd {r['fwd_ms']:8.3f}ms {r['fwd_tflops']:6.1f}TF | bwd {r['bwd_ms']:8.3f}ms {r['bwd_tflops']:6.1f}TF"
+    line = (f"{head} fwd {r['fwd_ms']:8.3f}ms {r['fwd_tflops']:6.1f}TF | bwd {r['bwd_ms']:8.3f}ms {r['bwd_tflops']:6.1f}TF"
             f" | f+b {r['fwdbwd_ms']:8.3f}ms {r['fwdbwd_tflops']:6.1f}TF | peak {r['peak_gb']:6.2f}GB")
+    if "fwdbwd_graph_ms" in r:
+        line += f" | graph fwd {r['fwd_graph_tflops']:6.1f}TF f+b {r['fwdbwd_graph_tflops']:6.1f}TF"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-padded", action="store_true", help="skip the padded PyTorch baselines")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-cross", action="store_true")
+    parser.add_argument("--workers", type=int, default=12, help="processes for checks and compiles")
     parser.add_argument("--json", type=str, default=None, help="write every row here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -340,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "triton": triton.__version__, "argv": sys.argv}
     meta.update(ceilings())
     print(json.dumps(meta), flush=True)
-    checks = [] if args.no_checks else run_checks()
+    jobs = [] if args.no_checks else check_jobs()
+    jobs += warm_jobs(args.acts, args.targets, args.heads, args.dim, not args.no_cross)
+    checks = run_parallel(jobs, args.workers)
+    print(f"checks and compiles done in parallel: {len(jobs)} jobs", flush=True)
     for c in checks:
         errs = " ".join(f"{k}={v:.1e}" for k, v in c["errors"].items())
         print(f"check {c['case']:48s} {errs} rerun={c['rerun_max_diff']:.1e} finite={c['finite']}", flush=True)

@@ -102,25 +102,25 @@ def train_epoch(
     """One pass over the training split; returns mean loss, steps, tokens/s and (on a known GPU) MFU."""
     device = next(model.parameters()).device
     peak = peak_flops(torch.cuda.get_device_name(device), "32-true") if device.type == "cuda" else None
-    total_loss, steps, tokens, flops = 0.0, 0, 0, 0.0
+    total_loss, steps, tokens, flops = torch.zeros((), device=device), 0, 0, 0.0
     start = time.perf_counter()
     for batch in build_dataloader(stream, data_cfg):
         if steps == max_steps:
             break
+        flops += model.flops(batch)  # on the host copy: no device sync
+        tokens += batch.num_tokens
         batch = batch.to(device, non_blocking=True)
         loss = model.loss(batch, model(batch))["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        total_loss += float(loss)
+        total_loss += loss.detach()  # summed on the device: no per-step sync
         steps += 1
-        tokens += batch.num_tokens
-        flops += model.flops(batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     return {
-        "loss": total_loss / max(steps, 1),
+        "loss": float(total_loss) / max(steps, 1),
         "steps": steps,
         **throughput_metrics(flops, tokens, seconds, peak),
     }
@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_float32_matmul_precision("high")
     cfg = teacher_flavor(args.flavor)
     model = build_teacher(cfg, schema).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # HSTU's optimiser: AdamW with betas (0.9, 0.98) and no weight decay.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     data_cfg = DataConfig(
         path=str(dataset),
         max_len=cfg.max_len,

@@ -29,11 +29,11 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 
 def cmd_data_synth(args: argparse.Namespace) -> None:
-    from foundation.data.synthetic import SYNTH_PRESETS, generate_world
+    from foundation.data.synthetic import SYNTH_PRESETS, generate_world, synth_preset
 
     if args.preset not in SYNTH_PRESETS:
         raise CLIError(f"unknown synth preset {args.preset!r}; known: {sorted(SYNTH_PRESETS)}")
-    cfg = apply_overrides(SYNTH_PRESETS[args.preset], args.overrides)
+    cfg = apply_overrides(synth_preset(args.preset), args.overrides)
     if args.seed is not None:
         cfg.seed = args.seed
     stats = generate_world(cfg, args.out, progress=True)

@@ -137,7 +137,9 @@ def with_other_candidates(batch: JaggedBatch, schema: EventSchema, *, seed: int)
 def select_rows(batch: JaggedBatch, rows: list[int]) -> JaggedBatch:
     """A batch of the given rows only (histories, features, labels), in that order."""
     starts, ends = batch.offsets[:-1], batch.offsets[1:]
-    token_index = torch.cat([torch.zeros(0, dtype=torch.int64), *(torch.arange(starts[r], ends[r]) for r in rows)])
+    token_index = torch.cat(
+        [torch.zeros(0, dtype=torch.int64), *(torch.arange(starts[r], ends[r]) for r in rows)]
+    )
     lengths = torch.tensor([int(ends[r] - starts[r]) for r in rows], dtype=torch.int64)
     keys = batch.sparse.keys()
     per_key = batch.sparse.to_dict()

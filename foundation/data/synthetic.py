@@ -19,14 +19,14 @@ ads that earlier data never saw. Items are only ever shown after their launch.
 ``interest_segments`` list, as a third-party audience segment would be) and latent interests:
 
 - a *core* topic, stable for life, drawn partly from the demographics; expressed in only
-  ``core_rate`` (10%) of the user's events, so it takes a long history to see it through the noise;
+  ``core_rate`` (15%) of the user's events, so it takes a long history to see it through the noise;
 - a *dormant* topic (70% of users): the user's former main interest, expressed in
-  ``dormant_rate`` (35%) of events up to ``D_u ~ U[64, 192]`` events before the window and almost
+  ``dormant_rate`` (30%) of events up to ``D_u ~ U[64, 192]`` events before the window and almost
   never after. It still drives clicks and conversions, so interests expressed hundreds of events
-  ago matter, and a model reading only the last 32 events cannot see it;
+  ago matter, and a model reading only the last 32 events hardly sees it;
 - a drifting *focus* topic: time is cut into phases of a per-user length (mean ``phase_days``);
   each phase has its own focus (often near the core, otherwise a popular topic), expressed in
-  ``focus_rate`` (45%) of events in that phase. This is the recent-history signal;
+  ``focus_rate`` (55%) of events in that phase. This is the recent-history signal;
 - a clickiness offset and a preference over domains.
 
 **Global drift.** Each topic's popularity and appeal oscillate in time,
@@ -34,8 +34,9 @@ ads that earlier data never saw. Items are only ever shown after their launch.
 and the click odds of later impressions differ from earlier ones (together with focus changes and
 item launches, this makes a model trained on an early window stale on a later one).
 
-**History.** Each user has ``N_u ~ LogNormal(log(history_median), history_sigma)`` events before
-the window (clipped to ``[min_history, history_limit]``: tens to tens of thousands), arriving as a
+**History.** Each user has ``N_u = min_history + LogNormal`` events before the window (median
+``history_median``, log-sd ``history_sigma``, capped at ``history_limit``: tens to tens of
+thousands; only ``max_history`` of them are ever stored), arriving as a
 Poisson process at ``rate_u = N_u / tenure_u``, and keeps producing events at that rate during the
 window. An event's topic is core / dormant / focus / a popular topic (by the rates above), its item
 is drawn from that topic by popularity among launched items, its domain from the user's domain
@@ -63,7 +64,7 @@ core or dormant topic (``audience_target_frac``), or a popular topic at that tim
 
 ``k`` is the candidate's topic and ``d`` the domain; ``domain_bias = logit(domain_base_ctr)`` and
 ``cvr_bias = logit(domain_base_cvr)``, so the base rates are those of a neutral impression and
-realised rates come out somewhat higher. ``w_core[d]`` and ``w_recent[d]`` in ``[0.6, 1.4]`` make
+realised rates come out several times higher (interest effects are positive). ``w_core[d]`` and ``w_recent[d]`` in ``[0.6, 1.4]`` make
 the domains weigh long-term and recent interests differently. ``p_conversion = p_click * p_cvr``
 is ``P(conversion | impression)``; ``click ~ Bernoulli(p_click)`` and a conversion needs a click.
 
@@ -85,8 +86,11 @@ Layout and determinism
 Splits are by time: ``train`` holds the first ``split_fractions[0]`` of the window, ``test`` the
 last, so ``max(train.timestamp) <= min(test.timestamp)``. Users are generated in blocks of
 ``users_per_block`` with one random stream per block, and rows are streamed to shards of
-``rows_per_shard`` rows, each sorted by timestamp, so memory is bounded by a block plus a shard per
-split. The same ``SynthConfig`` (seed included) gives the same rows.
+``rows_per_shard`` rows, so memory is bounded by a block plus a shard per split. Within a split,
+rows are ordered by user, then time: consecutive rows of a user share most of their history, which
+Parquet's compression then stores about 3x smaller than in time order. Readers shuffle (the
+pipeline shuffles row groups and the rows within them). The same ``SynthConfig`` (seed included)
+gives the same rows.
 """
 
 from __future__ import annotations
@@ -94,7 +98,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +148,7 @@ class SynthConfig:
     """
 
     num_users: int = 25_000
-    num_items: int = 6_000
+    num_items: int = 3_000
     num_domains: int = 3
     num_examples: int = 200_000
     max_history: int = 256
@@ -163,10 +166,10 @@ class SynthConfig:
     domain_names: tuple[str, ...] = ("feed", "reels", "marketplace")
     domain_shares: tuple[float, ...] = (0.6, 0.33, 0.07)
     domain_base_ctr: tuple[float, ...] = (0.004, 0.003, 0.006)
-    domain_base_cvr: tuple[float, ...] = (0.006, 0.004, 0.02)
-    core_rate: float = 0.1
-    dormant_rate: float = 0.35
-    focus_rate: float = 0.45
+    domain_base_cvr: tuple[float, ...] = (0.004, 0.003, 0.015)
+    core_rate: float = 0.15
+    dormant_rate: float = 0.3
+    focus_rate: float = 0.55
     phase_days: float = 7.0
     core_weight: float = 2.0
     dormant_weight: float = 1.5
@@ -180,24 +183,49 @@ class SynthConfig:
     audience_target_frac: float = 0.2
 
     def __post_init__(self) -> None:
-        for name in ("split_fractions", "domain_names", "domain_shares", "domain_base_ctr", "domain_base_cvr"):
+        for name in (
+            "split_fractions",
+            "domain_names",
+            "domain_shares",
+            "domain_base_ctr",
+            "domain_base_cvr",
+        ):
             setattr(self, name, tuple(getattr(self, name)))
-        for name in ("num_users", "num_items", "num_examples", "max_history", "rows_per_shard", "users_per_block", "min_history"):
+        for name in (
+            "num_users",
+            "num_items",
+            "num_examples",
+            "max_history",
+            "rows_per_shard",
+            "users_per_block",
+            "min_history",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SynthConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_topics < 2 or self.num_items < self.num_topics or self.num_advertisers < 1:
             raise ValueError("SynthConfig needs num_topics >= 2, num_items >= num_topics and an advertiser")
         for name in ("domain_names", "domain_shares", "domain_base_ctr", "domain_base_cvr"):
             if len(getattr(self, name)) != self.num_domains:
-                raise ValueError(f"SynthConfig.{name} needs {self.num_domains} entries (num_domains), got {getattr(self, name)}")
-        if len(self.split_fractions) != 3 or min(self.split_fractions) <= 0 or abs(sum(self.split_fractions) - 1) > 1e-6:
-            raise ValueError(f"SynthConfig.split_fractions must be 3 positive numbers summing to 1, got {self.split_fractions}")
+                raise ValueError(
+                    f"SynthConfig.{name} needs {self.num_domains} entries (num_domains), got {getattr(self, name)}"
+                )
+        if (
+            len(self.split_fractions) != 3
+            or min(self.split_fractions) <= 0
+            or abs(sum(self.split_fractions) - 1) > 1e-6
+        ):
+            raise ValueError(
+                f"SynthConfig.split_fractions must be 3 positive numbers summing to 1, got {self.split_fractions}"
+            )
         if min(self.domain_shares) <= 0:
             raise ValueError(f"SynthConfig.domain_shares must be positive, got {self.domain_shares}")
         for name in ("domain_base_ctr", "domain_base_cvr"):
             if not all(0 < r < 1 for r in getattr(self, name)):
                 raise ValueError(f"SynthConfig.{name} must lie in (0, 1), got {getattr(self, name)}")
-        if self.core_rate + self.dormant_rate + self.focus_rate > 1 or min(self.core_rate, self.dormant_rate, self.focus_rate) < 0:
+        if (
+            self.core_rate + self.dormant_rate + self.focus_rate > 1
+            or min(self.core_rate, self.dormant_rate, self.focus_rate) < 0
+        ):
             raise ValueError("SynthConfig: core_rate + dormant_rate + focus_rate must lie in [0, 1]")
         if self.recent_target_frac + self.audience_target_frac > 1:
             raise ValueError("SynthConfig: recent_target_frac + audience_target_frac must be <= 1")
@@ -210,15 +238,31 @@ class SynthConfig:
 SYNTH_PRESETS: dict[str, SynthConfig] = {
     # seconds: for tests and smoke runs
     "debug": SynthConfig(
-        num_users=2_000, num_items=1_000, num_examples=20_000, max_history=128, rows_per_shard=8_192,
-        users_per_block=512, num_topics=12, num_advertisers=60, history_median=60.0, history_limit=20_000,
+        num_users=2_000,
+        num_items=1_000,
+        num_examples=20_000,
+        max_history=256,
+        rows_per_shard=8_192,
+        users_per_block=512,
+        num_topics=12,
+        num_advertisers=60,
+        history_median=80.0,
+        history_limit=20_000,
     ),
     # `make quickstart`: generation well under a minute on two CPU cores
     "default": SynthConfig(),
     # on demand, for GPU teachers: tens of millions of rows with histories up to 4096 events
     "large": SynthConfig(
-        num_users=2_000_000, num_items=500_000, num_examples=20_000_000, max_history=4_096, rows_per_shard=16_384,
-        users_per_block=256, num_topics=64, num_advertisers=20_000, window_days=28.0, history_median=150.0,
+        num_users=2_000_000,
+        num_items=500_000,
+        num_examples=20_000_000,
+        max_history=4_096,
+        rows_per_shard=16_384,
+        users_per_block=256,
+        num_topics=64,
+        num_advertisers=20_000,
+        window_days=28.0,
+        history_median=150.0,
     ),
 }
 
@@ -378,7 +422,11 @@ def make_world(cfg: SynthConfig) -> World:
     topic_pop = rng.normal(0, 0.7, k)
     centres = rng.normal(0, 1, (k, 3))
     topic_sim = np.exp(-0.5 * ((centres[:, None] - centres[None]) ** 2).sum(-1))
-    trend_amp, trend_period, trend_phase = rng.normal(0, 1, k), rng.uniform(14, 60, k), rng.uniform(0, 2 * np.pi, k)
+    trend_amp, trend_period, trend_phase = (
+        rng.normal(0, 1, k),
+        rng.uniform(14, 60, k),
+        rng.uniform(0, 2 * np.pi, k),
+    )
     days = np.arange(FIRST_DAY, math.ceil(cfg.window_days) + 1) + 0.5
     trend = cfg.drift * trend_amp * np.sin(2 * np.pi * days[:, None] / trend_period + trend_phase)
     global_cdf = _cdf(np.exp(topic_pop + trend))
@@ -446,7 +494,9 @@ def _user_activity(cfg: SynthConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """
     rng = np.random.default_rng([cfg.seed, 1])
     # Shifted so that every user has min_history events without a spike of users at exactly that count.
-    excess = np.exp(rng.normal(math.log(max(cfg.history_median - cfg.min_history, 1)), cfg.history_sigma, cfg.num_users))
+    excess = np.exp(
+        rng.normal(math.log(max(cfg.history_median - cfg.min_history, 1)), cfg.history_sigma, cfg.num_users)
+    )
     n_pre = np.minimum(cfg.min_history + np.round(excess), cfg.history_limit).astype(np.int64)
     rate = np.clip(n_pre / rng.uniform(90, 1095, cfg.num_users), 0.05, 200.0)
     weight = rate**0.4
@@ -531,7 +581,12 @@ def _focus(world: World, users: _Users, u: np.ndarray, t: np.ndarray) -> tuple[n
 
 
 def _affinity(
-    world: World, users: _Users, u: np.ndarray, topic: np.ndarray, domain: np.ndarray, focus: tuple[np.ndarray, np.ndarray]
+    world: World,
+    users: _Users,
+    u: np.ndarray,
+    topic: np.ndarray,
+    domain: np.ndarray,
+    focus: tuple[np.ndarray, np.ndarray],
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(click_logit_part[n], cvr_logit_part[n])``: what the user's interests add for ``topic[n]``."""
     cfg, sim = world.cfg, world.topic_sim
@@ -560,7 +615,9 @@ class _Events:
     skipped: np.ndarray  # [n] older events never materialised (they can never be in a stored history)
 
 
-def _draw_events(rng: np.random.Generator, world: World, users: _Users, n_pre: np.ndarray, rate: np.ndarray) -> _Events:
+def _draw_events(
+    rng: np.random.Generator, world: World, users: _Users, n_pre: np.ndarray, rate: np.ndarray
+) -> _Events:
     cfg, n = world.cfg, len(users.ids)
     shown = np.minimum(n_pre, cfg.max_history)
     in_window = rng.poisson(rate * cfg.window_days)
@@ -585,7 +642,9 @@ def _draw_events(rng: np.random.Generator, world: World, users: _Users, n_pre: n
     t = seconds / DAY  # the day that matches the stored timestamp exactly
     focus = _focus(world, users, user, t)
     dormant_era = is_pre & users.has_dormant[user] & (back >= users.dormant_until[user])
-    dormant_rate = np.where(dormant_era, cfg.dormant_rate, cfg.dormant_rate * DORMANT_RESIDUAL * users.has_dormant[user])
+    dormant_rate = np.where(
+        dormant_era, cfg.dormant_rate, cfg.dormant_rate * DORMANT_RESIDUAL * users.has_dormant[user]
+    )
     c = rng.random(len(user))
     topic = np.where(
         c < cfg.core_rate,
@@ -593,14 +652,18 @@ def _draw_events(rng: np.random.Generator, world: World, users: _Users, n_pre: n
         np.where(
             c < cfg.core_rate + dormant_rate,
             users.dormant[user],
-            np.where(c < cfg.core_rate + dormant_rate + cfg.focus_rate, focus[0], world.popular_topics(rng, t)),
+            np.where(
+                c < cfg.core_rate + dormant_rate + cfg.focus_rate, focus[0], world.popular_topics(rng, t)
+            ),
         ),
     )
     item = world.sample_items(rng, topic, t)
     domain = _inverse_cdf(users.domain_cdf, user, rng.random(len(user)))
     click_part, cvr_part = _affinity(world, users, user, topic, domain, focus)
     noise = rng.normal(0, cfg.noise_std, (2, len(user)))
-    p_click = _sigmoid(ORGANIC_CLICK_BIAS + click_part + users.clickiness[user] + world.item_quality[item] + noise[0])
+    p_click = _sigmoid(
+        ORGANIC_CLICK_BIAS + click_part + users.clickiness[user] + world.item_quality[item] + noise[0]
+    )
     p_cvr = _sigmoid(ORGANIC_CONV_BIAS + cvr_part + world.item_cvr[item] + noise[1])
     click = rng.random(len(user)) < p_click
     action = click.astype(np.int32) + (click & (rng.random(len(user)) < p_cvr))
@@ -646,12 +709,20 @@ def _draw_impressions(
 
     # Candidate retrieval: recent history, audience targeting, or popularity.
     channel = rng.random(n)
-    recent = events.topic[end - 1 - np.floor(rng.random(n) * np.minimum(RECENT_CHANNEL, end - first)).astype(np.int64)]
-    audience = np.where(users.has_dormant[user] & (rng.random(n) < 0.5), users.dormant[user], users.core[user])
+    recent = events.topic[
+        end - 1 - np.floor(rng.random(n) * np.minimum(RECENT_CHANNEL, end - first)).astype(np.int64)
+    ]
+    audience = np.where(
+        users.has_dormant[user] & (rng.random(n) < 0.5), users.dormant[user], users.core[user]
+    )
     topic = np.where(
         channel < cfg.recent_target_frac,
         recent,
-        np.where(channel < cfg.recent_target_frac + cfg.audience_target_frac, audience, world.popular_topics(rng, t)),
+        np.where(
+            channel < cfg.recent_target_frac + cfg.audience_target_frac,
+            audience,
+            world.popular_topics(rng, t),
+        ),
     )
     item = world.sample_items(rng, topic, t)
     domain = _inverse_cdf(users.domain_cdf, user, rng.random(n))
@@ -686,7 +757,13 @@ def _draw_impressions(
         + SESSION_WEIGHT * np.exp(-gap_hours / 6.0)
         + noise[0]
     )
-    cvr_logit = world.domain_cvr_bias[domain] + cvr_part + world.item_cvr[item] + world.cvr_age_price[age, price] + noise[1]
+    cvr_logit = (
+        world.domain_cvr_bias[domain]
+        + cvr_part
+        + world.item_cvr[item]
+        + world.cvr_age_price[age, price]
+        + noise[1]
+    )
     p_click, p_cvr = _sigmoid(click_logit), _sigmoid(cvr_logit)
     click = rng.random(n) < p_click
     conversion = click & (rng.random(n) < p_cvr)
@@ -745,10 +822,15 @@ def _draw_impressions(
 
 
 class _ShardWriter:
-    """Buffers one split's rows and writes ``rows_per_shard``-row shards, each sorted by timestamp."""
+    """Buffers one split's rows and writes them as ``rows_per_shard``-row shards, in arrival order."""
 
     def __init__(self, out_dir: Path, split: str, rows_per_shard: int, arrow_schema: pa.Schema):
-        self.out_dir, self.split, self.rows_per_shard, self.schema = out_dir, split, rows_per_shard, arrow_schema
+        self.out_dir, self.split, self.rows_per_shard, self.schema = (
+            out_dir,
+            split,
+            rows_per_shard,
+            arrow_schema,
+        )
         self.buffer: list[pa.Table] = []
         self.buffered = 0
         self.shards = 0
@@ -767,7 +849,7 @@ class _ShardWriter:
     def _write(self, rows: int) -> None:
         table = pa.concat_tables(self.buffer) if self.buffer else self.schema.empty_table()
         shard, rest = table.slice(0, rows), table.slice(rows)
-        write_table(shard.sort_by("timestamp").cast(self.schema), shard_path(self.out_dir, self.split, self.shards))
+        write_table(shard.cast(self.schema), shard_path(self.out_dir, self.split, self.shards))
         self.shards += 1
         self.buffer = [rest] if rest.num_rows else []
         self.buffered = rest.num_rows
@@ -815,7 +897,9 @@ class _Stats:
         d = cfg.num_domains
         self.split_rows = np.zeros(3, dtype=np.int64)
         self.topic_counts = np.zeros((3, cfg.num_topics), dtype=np.int64)
-        self.rows, self.clicks, self.tracked, self.tracked_clicks, self.conversions = (np.zeros(d, np.int64) for _ in range(5))
+        self.rows, self.clicks, self.tracked, self.tracked_clicks, self.conversions = (
+            np.zeros(d, np.int64) for _ in range(5)
+        )
         self.history_len = np.zeros(cfg.max_history + 1, dtype=np.int64)
         self.true_history_len = np.zeros(cfg.history_limit + 1, dtype=np.int64)
         self.test: list[dict[str, np.ndarray]] = []
@@ -827,15 +911,23 @@ class _Stats:
         self.rows += np.bincount(a["domain"], minlength=d)
         self.clicks += np.bincount(a["domain"], weights=a["click"], minlength=d).astype(np.int64)
         self.tracked += np.bincount(a["domain"], weights=a["tracked"], minlength=d).astype(np.int64)
-        self.tracked_clicks += np.bincount(a["domain"], weights=a["click"] & a["tracked"], minlength=d).astype(np.int64)
-        self.conversions += np.bincount(a["domain"], weights=a["conversion"] & a["tracked"], minlength=d).astype(np.int64)
+        self.tracked_clicks += np.bincount(
+            a["domain"], weights=a["click"] & a["tracked"], minlength=d
+        ).astype(np.int64)
+        self.conversions += np.bincount(
+            a["domain"], weights=a["conversion"] & a["tracked"], minlength=d
+        ).astype(np.int64)
         self.history_len += np.bincount(a["history_len"], minlength=len(self.history_len))
         true_len = np.bincount(a["true_history_len"])
         if len(true_len) > len(self.true_history_len):  # window events can push past history_limit
-            self.true_history_len = np.pad(self.true_history_len, (0, len(true_len) - len(self.true_history_len)))
+            self.true_history_len = np.pad(
+                self.true_history_len, (0, len(true_len) - len(self.true_history_len))
+            )
         self.true_history_len[: len(true_len)] += true_len
         test = split == 2
-        self.test.append({k: a[k][test] for k in ("click", "conversion", "tracked", "p_click", "p_conversion")})
+        self.test.append(
+            {k: a[k][test] for k in ("click", "conversion", "tracked", "p_click", "p_conversion")}
+        )
 
     def summary(self, cfg: SynthConfig, seconds: float) -> dict:
         names = list(cfg.domain_names)
@@ -848,10 +940,14 @@ class _Stats:
             "total_rows": total,
             "seconds": round(seconds, 3),
             "rows_per_s": round(total / max(seconds, 1e-9), 1),
-            "history_events_per_s": round(float((np.arange(len(self.history_len)) * self.history_len).sum()) / max(seconds, 1e-9), 1),
+            "history_events_per_s": round(
+                float((np.arange(len(self.history_len)) * self.history_len).sum()) / max(seconds, 1e-9), 1
+            ),
             "domain_share": dict(zip(names, (self.rows / total).tolist(), strict=True)),
             "click_rate": float(self.clicks.sum() / total),
-            "domain_click_rate": dict(zip(names, (self.clicks / np.maximum(self.rows, 1)).tolist(), strict=True)),
+            "domain_click_rate": dict(
+                zip(names, (self.clicks / np.maximum(self.rows, 1)).tolist(), strict=True)
+            ),
             "conversion_rate": float(self.conversions.sum() / max(self.tracked.sum(), 1)),
             "conv_per_click": float(self.conversions.sum() / max(self.tracked_clicks.sum(), 1)),
             "domain_conv_per_click": dict(
@@ -862,7 +958,10 @@ class _Stats:
             "true_history_len": _percentiles(self.true_history_len),
             "topic_drift_tv_train_test": float(0.5 * np.abs(mix[0] - mix[2]).sum()),
             "oracle_test": {
-                "click": {"ne": _normalized_entropy(test["click"], test["p_click"]), "auc": _auc(test["click"], test["p_click"])},
+                "click": {
+                    "ne": _normalized_entropy(test["click"], test["p_click"]),
+                    "auc": _auc(test["click"], test["p_click"]),
+                },
                 "conversion": {
                     "ne": _normalized_entropy(test["conversion"][tracked], test["p_conversion"][tracked]),
                     "auc": _auc(test["conversion"][tracked], test["p_conversion"][tracked]),
@@ -871,25 +970,24 @@ class _Stats:
         }
 
 
-def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = True, overwrite: bool = False) -> dict:
+def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = True) -> dict:
     """Write the world ``cfg`` describes as a dataset under ``out_dir`` and return its statistics.
 
-    Layout: ``{train,valid,test}/part-NNNNN.parquet`` (each shard sorted by timestamp), then
+    Layout: ``{train,valid,test}/part-NNNNN.parquet`` (rows ordered by user, then time), then
     ``synth.json`` (config and stats) and, last, ``schema.json``: a dataset without ``schema.json``
-    is incomplete. An existing dataset is refused unless ``overwrite`` (which deletes its shards).
+    is incomplete. A dataset already at ``out_dir`` is replaced (its ``part-*.parquet`` shards are deleted).
 
     Returns rows per split, rows/s, per-domain traffic share, click and conversion rates, conversion
     per click, history length percentiles (stored and uncapped), the train/test topic-mix total
     variation, and the oracle NE and AUC of ``p_click``/``p_conversion`` on the test split.
     """
     out_dir = Path(out_dir)
-    existing = [out_dir / SCHEMA_FILE] + [out_dir / s for s in SPLITS]
-    if any(p.exists() for p in existing):
-        if not overwrite:
-            raise FileExistsError(f"{out_dir}: already holds a dataset; pass overwrite=True to replace it")
-        (out_dir / SCHEMA_FILE).unlink(missing_ok=True)
-        for split in SPLITS:
-            shutil.rmtree(out_dir / split, ignore_errors=True)
+    # Replace a previous dataset here: unmark it first (no schema.json = incomplete), then drop its
+    # shards so that none from a larger earlier run survives among the new ones.
+    (out_dir / SCHEMA_FILE).unlink(missing_ok=True)
+    for split in SPLITS:
+        for stale in (out_dir / split).glob("part-*.parquet"):
+            stale.unlink()
     start_time = time.perf_counter()
     schema = build_schema(cfg)
     arrow_schema = schema.arrow_schema()
@@ -920,6 +1018,8 @@ def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = Tr
     summary = stats.summary(cfg, time.perf_counter() - start_time)
     summary["shards"] = dict(zip(SPLITS, [w.shards for w in writers], strict=True))
     summary["bytes_on_disk"] = sum(p.stat().st_size for s in SPLITS for p in (out_dir / s).glob("*.parquet"))
-    atomic_write_text(out_dir / STATS_FILE, json.dumps({"config": dataclasses.asdict(cfg), "stats": summary}, indent=2))
+    atomic_write_text(
+        out_dir / STATS_FILE, json.dumps({"config": dataclasses.asdict(cfg), "stats": summary}, indent=2)
+    )
     schema.save(out_dir)
     return summary

@@ -59,8 +59,12 @@ class ItemEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids[N]`` int64 -> ``[N, item_dim]``; all ids go in one bag (order preserved)."""
-        lengths = torch.full((1,), ids.numel(), dtype=torch.int32, device=ids.device)
-        kjt = KeyedJaggedTensor(keys=[ITEM_FEATURE], values=ids, lengths=lengths)
+        n = ids.numel()
+        lengths = torch.full((1,), n, dtype=torch.int32, device=ids.device)
+        # Known per-key sizes spare torchrec a device-to-host sync to compute them.
+        kjt = KeyedJaggedTensor(
+            keys=[ITEM_FEATURE], values=ids, lengths=lengths, length_per_key=[n], offset_per_key=[0, n]
+        )
         return self.collection(kjt)[ITEM_FEATURE].values()
 
     def all_items(self, device: torch.device) -> torch.Tensor:
@@ -126,8 +130,11 @@ class HistoryEmbedding(nn.Module):
         self.age = nn.Embedding(cfg.age_buckets, d) if "age" in features else None
         self.age_buckets = cfg.age_buckets
         self.position = nn.Embedding(cfg.max_len, d) if cfg.abs_pos_emb else None
-        if self.position is not None:
-            nn.init.trunc_normal_(self.position.weight, std=math.sqrt(1.0 / d))
+        # Side embeddings start at the scale of the scaled item part (std 0.02·sqrt(d) ~ sqrt(1/d) per
+        # coordinate, HSTU's position init) so that they do not drown the item identity.
+        for table in (self.action, self.domain, self.age, self.position):
+            if table is not None:
+                nn.init.trunc_normal_(table.weight, std=math.sqrt(1.0 / d))
         self.dropout = nn.Dropout(cfg.dropout)
 
     def embed_items(self, item_vectors: torch.Tensor) -> torch.Tensor:

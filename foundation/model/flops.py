@@ -94,7 +94,12 @@ def teacher_flop_breakdown(
         num_summaries = cfg.num_layers - 1 if next_item else cfg.num_layers
         widths = [n_user] + [cfg.interaction_tokens] * cfg.num_layers
         for i in range(cfg.num_layers):
-            pffn = mm(b, widths[i] * d, 2 * cfg.pffn_hidden) + 2 * mm(combined, d, cfg.pffn_hidden)
+            narrow = mm(b * widths[i], d, cfg.pffn_summary_dim)
+            pffn = (
+                narrow
+                + mm(b, widths[i] * cfg.pffn_summary_dim, 2 * cfg.pffn_hidden)
+                + 2 * mm(combined, d, cfg.pffn_hidden)
+            )
             parts["interleave"] += pffn
             if i < num_summaries:
                 dense, attention = summary_flops(cfg, b, num_tokens)

@@ -18,16 +18,20 @@ class PersonalizedFFN(nn.Module):
     """``x + W2·dropout(silu(W1·LN(x)) ⊙ (1 + g_b) + s_b)`` with ``g_b, s_b`` generated from row ``b``'s summary.
 
     The effective FFN of row ``b`` is ``W2·diag(1 + g_b)·W1`` (plus a per-row shift): personal weights
-    at ``O(L·hidden)`` cost, without materialising a matrix per row.
+    at ``O(L·hidden)`` cost, without materialising a matrix per row. The summary tokens are first
+    narrowed to ``summary_dim`` each, so the generator stays small when ``d_model`` is large.
     """
 
-    def __init__(self, d_model: int, summary_tokens: int, hidden: int, dropout: float) -> None:
+    def __init__(
+        self, d_model: int, summary_tokens: int, summary_dim: int, hidden: int, dropout: float
+    ) -> None:
         super().__init__()
         self.hidden = hidden
         self.norm = nn.LayerNorm(d_model)
         self.up = nn.Linear(d_model, hidden)
         self.down = nn.Linear(hidden, d_model)
-        self.condition = nn.Linear(summary_tokens * d_model, 2 * hidden)
+        self.narrow = nn.Linear(d_model, summary_dim)
+        self.condition = nn.Linear(summary_tokens * summary_dim, 2 * hidden)
         # Small so the block starts close to a plain FFN, non-zero so the summary gets a gradient.
         nn.init.normal_(self.condition.weight, std=0.01)
         nn.init.zeros_(self.condition.bias)
@@ -35,7 +39,7 @@ class PersonalizedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
         """``x[L, d]``, ``rows[L]`` (row of each token), ``summary[B, n, d]`` -> ``[L, d]``."""
-        gain, shift = self.condition(summary.flatten(1)).chunk(2, dim=-1)
+        gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
         hidden = nn.functional.silu(self.up(self.norm(x))) * (1 + gain[rows]) + shift[rows]
         return x + self.down(self.dropout(hidden))
 

@@ -140,7 +140,8 @@ class GEMTeacher(nn.Module):
             return n_user
         widths = [n_user] + [cfg.interaction_tokens] * cfg.num_layers
         self.pffns = nn.ModuleList(
-            PersonalizedFFN(d, widths[i], cfg.pffn_hidden, cfg.dropout) for i in range(cfg.num_layers)
+            PersonalizedFFN(d, widths[i], cfg.pffn_summary_dim, cfg.pffn_hidden, cfg.dropout)
+            for i in range(cfg.num_layers)
         )
         self.user_interactions = nn.ModuleList(
             build_interaction_block(cfg, widths[i] + n_summary, cfg.interaction_tokens)

@@ -44,6 +44,7 @@ class TeacherConfig:
         num_pma_seeds: PMA seed tokens cross-attending to the history, per layer.
         num_recent: the K most recent history tokens added to the summary.
         pffn_hidden: hidden width of the personalised FFN.
+        pffn_summary_dim: width each non-sequence token is narrowed to before it conditions the PFFN.
         target_aware: append the candidate as a target token that attends to the history (ctr).
 
     Interaction arch for non-sequence features:
@@ -88,6 +89,7 @@ class TeacherConfig:
     num_pma_seeds: int = 2
     num_recent: int = 4
     pffn_hidden: int = 128
+    pffn_summary_dim: int = 16
     target_aware: bool = True
 
     interaction: str = "wukong"
@@ -225,7 +227,9 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
         num_domain_experts=2,
         repr_dim=128,
     ),
-    # Sized for one H200 with long sequences (pair with a token budget of ~64k-128k per batch).
+    # Sized for one H200 with long sequences (pair with a token budget of ~64k tokens per batch):
+    # ~85M parameters in the HSTU blocks and ~410M dense parameters in all; the sequence arch
+    # (blocks, PFFN, PMA, attention) takes almost all the FLOPs.
     "large": TeacherConfig(
         d_model=1024,
         item_dim=256,
@@ -235,19 +239,20 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
         value_dim=128,
         max_len=4096,
         time_buckets=128,
-        num_cls=8,
-        num_pma_seeds=16,
-        num_recent=32,
-        pffn_hidden=2048,
-        interaction_tokens=32,
+        num_cls=4,
+        num_pma_seeds=8,
+        num_recent=16,
+        pffn_hidden=1024,
+        pffn_summary_dim=32,
+        interaction_tokens=16,
         num_final_interaction_blocks=3,
-        wukong_rank=32,
-        wukong_hidden=4096,
-        dcn_rank=256,
-        expert_hidden=4096,
-        expert_dim=1024,
-        num_shared_experts=8,
-        num_domain_experts=4,
+        wukong_rank=16,
+        wukong_hidden=512,
+        dcn_rank=32,
+        expert_hidden=512,
+        expert_dim=256,
+        num_shared_experts=4,
+        num_domain_experts=2,
         repr_dim=256,
         num_negatives=512,
     ),

@@ -30,6 +30,9 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
+# Arguments that change with the batch's contents: specializing on their divisibility would
+# recompile the kernels for batches of the same shape.
+_NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "L"]
 
 
 @triton.jit
@@ -102,18 +105,20 @@ def _bias_index(qi, kj, n_hist, ts_q, ts_k, P_SIZE, T_SIZE, HAS_PB: tl.constexpr
 
 
 @triton.jit
-def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr):
+def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, ACT: tl.constexpr):
+    """Adds the bias tables' entries; softmax scores live in log2 units, so theirs are scaled."""
+    scale = _LOG2E if ACT == 0 else 1.0
     if HAS_PB:
-        s += tl.load(pb_ptr + pos_idx).to(tl.float32)
+        s += tl.load(pb_ptr + pos_idx).to(tl.float32) * scale
     if HAS_TB:
-        s += tl.load(tb_ptr + time_idx).to(tl.float32)
+        s += tl.load(tb_ptr + time_idx).to(tl.float32) * scale
     return s
 
 
 @triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
-    kv_len, n_hist, window, alpha, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+    kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -126,19 +131,19 @@ def _fwd_tiles(
         row_ok = offs_n[:, None] < kv_len
         k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :], mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :], mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * alpha
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
             pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB)
+            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
         if ACT == 0:
             if MASKED:
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
                 s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
-            p = tl.math.exp2((s - m_new_safe[:, None]) * _LOG2E)
-            corr = tl.math.exp2((m_i - m_new_safe) * _LOG2E)
+            p = tl.math.exp2(s - m_new_safe[:, None])
+            corr = tl.math.exp2(m_i - m_new_safe)
             l_i = l_i * corr + tl.sum(p, 1)
             acc = acc * corr[:, None]
             m_i = m_new
@@ -177,11 +182,11 @@ def _key_ranges(m_start, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_WINDO
     return lo, full_hi, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
     Q, K, V, Out, LSE, Q_OFF, KV_OFF, NT, TS, PB, TB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
-    stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
+    stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -208,24 +213,26 @@ def _fwd_kernel(
     pb_ptr = PB + h * stride_pbh
     tb_ptr = TB + h * stride_tbh
 
+    # Softmax runs in log2 units (exp2 of one FMA per score); LSE is stored in them too.
+    qk_scale = alpha * _LOG2E if ACT == 0 else alpha
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
-        kv_len, n_hist, window, alpha, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, alpha, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
     )
     if ACT == 0:
         empty = l_i == 0.0
         acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, 0.0, m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        lse = tl.where(empty, 0.0, m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=q_ok)
     else:
         acc = acc * inv_n
@@ -236,7 +243,7 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_dq_tiles(
     dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, hi,
-    kv_len, n_hist, window, alpha, inv_n, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
+    kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -249,18 +256,18 @@ def _bwd_dq_tiles(
         row_ok = offs_n[:, None] < kv_len
         k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :], mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :], mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * alpha
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
             pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB)
+            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
-            p = tl.math.exp2((s - lse[:, None]) * _LOG2E)
+            p = tl.math.exp2(s - lse[:, None])
             ds = p * (dp - delta[:, None])
         else:
             _, dact = _act_fwd_bwd(s, ACT, FAST)
-            ds = dp * dact * inv_n
+            ds = dp * dact
         if MASKED:
             valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
             ds = tl.where(valid, ds, 0.0)
@@ -269,17 +276,18 @@ def _bwd_dq_tiles(
             # Rows past the sequence carry dS = 0 but clamped indices; keep them out of the sum.
             pair_ok = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
             if HAS_PB:
-                tl.atomic_add(dpb_ptr + pos_idx, ds, mask=pair_ok)
+                tl.atomic_add(dpb_ptr + pos_idx, ds * ds_scale, mask=pair_ok)
             if HAS_TB:
-                tl.atomic_add(dtb_ptr + time_idx, ds, mask=pair_ok)
+                tl.atomic_add(dtb_ptr + time_idx, ds * ds_scale, mask=pair_ok)
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, NT, TS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
+    AVG_BUCKET,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -311,35 +319,45 @@ def _bwd_dq_kernel(
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
+    qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    # The pointwise 1/N is applied once per output instead of once per score.
+    ds_scale = 1.0 if ACT == 0 else inv_n
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_tiles(
         dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, full_hi,
-        kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh,
+        kv_len, n_hist, window, qk_scale, ds_scale, PB + h * stride_pbh, TB + h * stride_tbh,
         DPB + h * stride_pbh, DTB + h * stride_tbh, P_SIZE, T_SIZE,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
     )
     dq = _bwd_dq_tiles(
         dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len,
         tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh,
+        kv_len, n_hist, window, qk_scale, ds_scale, PB + h * stride_pbh, TB + h * stride_tbh,
         DPB + h * stride_pbh, DTB + h * stride_tbh, P_SIZE, T_SIZE,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
     )
     tl.store(DQ + q_start * stride_dqm + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_dqk[None, :],
-             (dq * alpha).to(DQ.dtype.element_ty), mask=q_ok[:, None] & (offs_dqk[None, :] < DQK))
+             (dq * (alpha * ds_scale)).to(DQ.dtype.element_ty), mask=q_ok[:, None] & (offs_dqk[None, :] < DQK))
 
 
 @triton.jit
 def _bwd_dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom, offs_n, ts_n,
-    q_len, lo, hi, kv_len, n_hist, window, alpha, inv_n, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, dq_base, stride_qm, stride_dom, stride_dqm,
+    offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
+    P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, FUSED_DQ: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products."""
+    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products.
+
+    With ``FUSED_DQ`` the same tiles also add their share of dQ (and of the bias-table
+    gradients) into float32 accumulators with atomics: five matrix products per tile pair
+    instead of the seven that a separate dQ pass needs, at the price of a summation order that
+    varies from run to run.
+    """
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -349,41 +367,50 @@ def _bwd_dkdv_tiles(
                       mask=m_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :],
                      mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s_t = tl.dot(k, q_t) * alpha
+        s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
             ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
             pos_idx, time_idx = _bias_index(offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s_t = _add_bias(s_t, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB)
+            s_t = _add_bias(s_t, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
         dp_t = tl.dot(v, tl.trans(do))
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
-            p_t = tl.math.exp2((s_t - lse[None, :]) * _LOG2E)
+            p_t = tl.math.exp2(s_t - lse[None, :])
             if MASKED:
                 valid = _mask(offs_m[None, :], offs_n[:, None], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
                 p_t = tl.where(valid, p_t, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])
         else:
-            a_t, dact = _act_fwd_bwd(s_t, ACT, FAST)
-            p_t = a_t * inv_n
-            ds_t = dp_t * dact * inv_n
+            p_t, dact = _act_fwd_bwd(s_t, ACT, FAST)
+            ds_t = dp_t * dact
             if MASKED:
                 valid = _mask(offs_m[None, :], offs_n[:, None], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
                 p_t = tl.where(valid, p_t, 0.0)
                 ds_t = tl.where(valid, ds_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
+        if FUSED_DQ:
+            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
+            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_dqk[None, :], dq_part,
+                          mask=m_ok[:, None] & (offs_dqk[None, :] < DQK), sem="relaxed")
+            if HAS_PB or HAS_TB:
+                pair_ok = m_ok[None, :] & (offs_n[:, None] < kv_len)
+                if HAS_PB:
+                    tl.atomic_add(dpb_ptr + pos_idx, ds_t * ds_scale, mask=pair_ok, sem="relaxed")
+                if HAS_TB:
+                    tl.atomic_add(dtb_ptr + time_idx, ds_t * ds_scale, mask=pair_ok, sem="relaxed")
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV_, LSE, DELTA, Q_OFF, KV_OFF, NT, TS, PB, TB,
+    Q, K, V, DO, DK, DV_, DQ_ACC, LSE, DELTA, Q_OFF, KV_OFF, NT, TS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-    stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_lse_h, stride_pbh, stride_tbh,
-    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
+    stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh,
+    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, FUSED_DQ: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -422,27 +449,60 @@ def _bwd_dkdv_kernel(
     do_base = DO + q_start * stride_dom + h * stride_doh
     lse_base = LSE + h * stride_lse_h + q_start
     delta_base = DELTA + h * stride_lse_h + q_start
+    qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    ds_scale = 1.0 if ACT == 0 else inv_n
+    dq_base = DQ_ACC + q_start * stride_dqm + h * stride_dqh
+    pb_ptr = PB + h * stride_pbh
+    tb_ptr = TB + h * stride_tbh
+    dpb_ptr = DPB + h * stride_pbh
+    dtb_ptr = DTB + h * stride_tbh
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, stride_qm, stride_dom, offs_n, ts_n,
-        q_len, lo, mid, kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
+        offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
+        P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, FUSED_DQ,
+        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, stride_qm, stride_dom, offs_n, ts_n,
-        q_len, mid, hi, kv_len, n_hist, window, alpha, inv_n, PB + h * stride_pbh, TB + h * stride_tbh, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
+        offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
+        P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, FUSED_DQ,
+        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
-             (dk * alpha).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
+             (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DV_ + kv_start * stride_dvm + h * stride_dvh + offs_n[:, None] * stride_dvm + offs_dv[None, :],
-             dv.to(DV_.dtype.element_ty), mask=n_ok[:, None] & (offs_dv[None, :] < DV))
+             (dv * ds_scale).to(DV_.dtype.element_ty), mask=n_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bwd_delta_kernel(Out, DO, DELTA, stride_om, stride_oh, stride_dom, stride_doh, L,
+                      DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Softmax backward's per-row ``delta = rowsum(dO * O)`` into ``DELTA [H, L]`` (float32)."""
+    h = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < L) & (offs_d[None, :] < DV)
+    o = tl.load(Out + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dom + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h * L + offs_m, delta, mask=offs_m < L)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _scale_cast_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
+    """``Y = (X * scale)`` cast to Y's dtype: finishes the float32 dQ accumulator in one pass."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    tl.store(Y + offs, (x * scale).to(Y.dtype.element_ty), mask=offs < n)
 
 
 def _fwd_configs() -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
     ]
 
 
@@ -451,6 +511,7 @@ def _dq_configs() -> list[triton.Config]:
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=4),
     ]
 
 
@@ -459,15 +520,20 @@ def _dkdv_configs() -> list[triton.Config]:
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
     ]
 
 
-# Autotuning is keyed per N bucket and per variant; the pruned spaces keep first-call compile
-# time to a few configs per kernel. Only the CUDA path is tuned: the interpreter runs fixed tiles.
-_TUNE_KEY = ["N_BUCKET", "DQK", "DV", "ACT", "CAUSAL", "HAS_TARGETS", "HAS_WINDOW", "HAS_PB", "HAS_TB"]
+# Autotuning is keyed per variant and per bucket of the longest and the mean length (a full
+# batch and a heavy-tailed one of the same N want different tiles); the pruned spaces keep
+# first-call compile time to a few configs per kernel. Only the CUDA path is tuned: the
+# interpreter runs fixed tiles.
+_TUNE_KEY = ["N_BUCKET", "AVG_BUCKET", "DQK", "DV", "ACT", "CAUSAL", "HAS_TARGETS", "HAS_WINDOW", "HAS_PB", "HAS_TB"]
 _fwd_tuned = triton.autotune(_fwd_configs(), key=_TUNE_KEY)(_fwd_kernel)
 _dq_tuned = triton.autotune(_dq_configs(), key=_TUNE_KEY, reset_to_zero=["DPB", "DTB"])(_bwd_dq_kernel)
-_dkdv_tuned = triton.autotune(_dkdv_configs(), key=_TUNE_KEY)(_bwd_dkdv_kernel)
+_dkdv_tuned = triton.autotune(
+    _dkdv_configs(), key=[*_TUNE_KEY, "FUSED_DQ"], reset_to_zero=["DQ_ACC", "DPB", "DTB"]
+)(_bwd_dkdv_kernel)
 
 # Interpreter tiles: unequal M and N so tests cross tile boundaries both ways.
 _CPU_FWD = {"BLOCK_M": 32, "BLOCK_N": 16}
@@ -482,10 +548,20 @@ def _n_bucket(n: int) -> int:
     return max(64, triton.next_power_of_2(max(n, 1)))
 
 
+def deterministic() -> bool:
+    """``GEM_KERNELS_DETERMINISTIC=1`` computes dQ in its own pass, with no atomics.
+
+    The default fuses dQ into the dK/dV pass with float32 atomics (fewer matrix products,
+    faster); its summation order, so its last bits, vary between runs.
+    """
+    return os.environ.get("GEM_KERNELS_DETERMINISTIC", "0") == "1"
+
+
 class _Spec:
     """Everything about a call that is not a differentiable tensor."""
 
-    def __init__(self, act, causal, alpha, window, num_targets, timestamps, max_q_len, max_kv_len):
+    def __init__(self, act, causal, alpha, window, num_targets, timestamps, max_q_len, max_kv_len, batch):
+        self.batch = batch
         self.act = act
         self.causal = causal
         self.alpha = alpha
@@ -496,9 +572,19 @@ class _Spec:
         self.max_kv_len = max_kv_len
 
 
+_DUMMIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A float32 placeholder for pointer arguments a variant never reads (one per device)."""
+    if device not in _DUMMIES:
+        _DUMMIES[device] = torch.zeros(1, device=device, dtype=torch.float32)
+    return _DUMMIES[device]
+
+
 def _common_args(q, k, v, pb, tb, spec):
     heads = q.shape[1]
-    dummy = q.new_zeros(1, dtype=torch.float32)
+    dummy = _dummy(q.device)
     pb_t = pb if pb is not None else dummy
     tb_t = tb if tb is not None else dummy
     meta = dict(
@@ -524,6 +610,7 @@ def _common_args(q, k, v, pb, tb, spec):
         inv_n=1.0 / max(spec.max_kv_len, 1),
         window=spec.window if spec.window is not None else 0,
         N_BUCKET=_n_bucket(spec.max_kv_len),
+        AVG_BUCKET=_n_bucket(k.shape[0] // max(spec.batch, 1)),
     )
     nt = spec.num_targets if spec.num_targets is not None else dummy
     ts = spec.timestamps if spec.timestamps is not None else dummy
@@ -571,27 +658,48 @@ class _JaggedAttentionFn(torch.autograd.Function):
         spec = ctx.spec
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         batch, heads = q_offsets.numel() - 1, q.shape[1]
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
+        fused = not deterministic()
+        # Every key row belongs to a sequence, so the dK/dV (and split dQ) kernels write every row;
+        # only the atomic dQ accumulator needs zeros.
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
         dpb = torch.zeros(pos_bias.shape, device=q.device, dtype=torch.float32) if pos_bias is not None else None
         dtb = torch.zeros(time_bias.shape, device=q.device, dtype=torch.float32) if time_bias is not None else None
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
-        delta = (dout.float() * out.float()).sum(-1).t().contiguous() if spec.act == "softmax" else lse
-        if batch * heads > 0 and spec.max_q_len > 0 and spec.max_kv_len > 0:
-            dummy = q.new_zeros(1, dtype=torch.float32)
-            dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb,
-                       dpb if dpb is not None else dummy, dtb if dtb is not None else dummy,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                       dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
-            _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
-                    {**scalars, **meta}, q.is_cuda)
-            dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb,
+        dummy = _dummy(q.device)
+        dpb_t = dpb if dpb is not None else dummy
+        dtb_t = dtb if dtb is not None else dummy
+        delta = torch.empty_like(lse) if spec.act == "softmax" else lse
+        if spec.act == "softmax" and q.shape[0] > 0:
+            rows = _CPU_FWD["BLOCK_M"] if not q.is_cuda else 64
+            _bwd_delta_kernel[(triton.cdiv(q.shape[0], rows), heads)](
+                out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), q.shape[0],
+                DV=v.shape[2], BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=rows,
+            )
+        if batch * heads == 0 or spec.max_q_len == 0 or spec.max_kv_len == 0:
+            # Nothing attends: every gradient is zero (rows may still exist on the other side).
+            dq.zero_()
+            dk.zero_()
+            dv.zero_()
+        else:
+            if not fused:
+                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb, dpb_t, dtb_t,
+                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
+                _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
+                        {**scalars, **meta}, q.is_cuda)
+            dkdv_args = (q, k, v, dout, dk, dv, dq, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb, dpb_t, dtb_t,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                         lse.stride(0))
+                         dq.stride(0), dq.stride(1), lse.stride(0))
             _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", spec.max_kv_len, batch * heads, dkdv_args,
-                    {**scalars, **meta}, q.is_cuda)
+                    {**scalars, **meta, "FUSED_DQ": fused}, q.is_cuda)
+        if fused:
+            dq_acc, dq = dq, torch.empty(q.shape, device=q.device, dtype=q.dtype)
+            scale = spec.alpha * (1.0 if spec.act == "softmax" else scalars["inv_n"])
+            if dq.numel() > 0:
+                _scale_cast_kernel[(triton.cdiv(dq.numel(), 4096),)](dq_acc, dq, dq.numel(), scale, BLOCK=4096)
         dpb = dpb.to(pos_bias.dtype) if dpb is not None else None
         dtb = dtb.to(time_bias.dtype) if dtb is not None else None
         return dq, dk, dv, dpb, dtb, None, None, None
@@ -631,6 +739,7 @@ def jagged_attention(
         timestamps.contiguous() if time_bias is not None else None,
         max_len,
         max_len,
+        offsets.numel() - 1,
     )
     return _JaggedAttentionFn.apply(q, k, v, pos_bias, time_bias, offsets, offsets, spec)
 
@@ -651,7 +760,8 @@ def jagged_cross_attention(
 
     Shapes: q ``[Lq, H, Dqk]``, k ``[Lkv, H, Dqk]``, v ``[Lkv, H, Dv]`` -> ``[Lq, H, Dv]``.
     """
-    spec = _Spec(activation, False, _default_alpha(alpha, q), None, None, None, max_q_len, max_kv_len)
+    spec = _Spec(activation, False, _default_alpha(alpha, q), None, None, None, max_q_len, max_kv_len,
+                 q_offsets.numel() - 1)
     return _JaggedAttentionFn.apply(
         q, k, v, None, None, q_offsets.to(torch.int64).contiguous(), kv_offsets.to(torch.int64).contiguous(), spec
     )

@@ -179,7 +179,20 @@ def test_triton_head_dims_fp16(dims, activation):
     _assert_close(got, want, 1e-2, f"fp16 {dims} {activation}")
 
 
-def test_triton_backward_is_deterministic():
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_triton_split_dq_pass_matches_reference(activation, monkeypatch):
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1")
+    lengths = [37, 0, 1, 20]
+    t = _inputs(lengths, 2, 24, 20, torch.float32, seed=9, pos=5, time=4)
+    kwargs = dict(activation=activation, causal=True, num_targets=torch.tensor([3, 0, 1, 2]), window=9)
+    offsets = _offsets(lengths)
+    want = _run("pytorch", t, offsets, 37, 4, **kwargs)
+    got = _run("triton", t, offsets, 37, 4, **kwargs)
+    _assert_close(got, want, 1e-4, f"split dQ {activation}")
+
+
+def test_triton_backward_is_deterministic(monkeypatch):
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1")
     lengths = [30, 7]
     t = _inputs(lengths, 2, 16, 16, torch.float32, seed=5, pos=4)
     kwargs = dict(activation="silu", causal=True)
@@ -224,6 +237,20 @@ def test_cross_attention_matches_reference(activation, shape):
         b = kv_lens.index(0)
         rows = slice(int(q_off[b]), int(q_off[b + 1]))
         assert torch.equal(results[1][0][rows], torch.zeros_like(results[1][0][rows]))
+
+
+@pytest.mark.parametrize("deterministic", ["0", "1"])
+@pytest.mark.parametrize(("q_lens", "kv_lens"), [([2, 1], [0, 0]), ([0, 0], [3, 2])])
+def test_cross_attention_with_nothing_to_attend(q_lens, kv_lens, deterministic, monkeypatch):
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", deterministic)
+    q = torch.randn(sum(q_lens), 2, 16).requires_grad_(True)
+    k = torch.randn(sum(kv_lens), 2, 16).requires_grad_(True)
+    v = torch.randn(sum(kv_lens), 2, 16).requires_grad_(True)
+    out = jagged_cross_attention(q, k, v, _offsets(q_lens), _offsets(kv_lens), max(q_lens), max(kv_lens), backend="triton")
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out))
+    for x in (q, k, v):
+        assert torch.equal(x.grad, torch.zeros_like(x))
 
 
 def test_auto_backend_uses_reference_on_cpu():
