@@ -7,6 +7,9 @@ backward and forward+backward for self-attention (B=32, H=4, D=128, N in {1024, 
 full, uniform and heavy-tailed lengths; 0 and 20 targets) against the padded PyTorch path (SDPA
 for softmax, batched matmul for pointwise) and PyTorch's varlen flash attention, and the
 GEM-like cross-attention shapes. TFLOP/s count valid pairs only (``kernels.flops``).
+``triton`` rows run the default backward, ``triton-det`` rows ``GEM_KERNELS_DETERMINISTIC=1``;
+Triton rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's
+launch cost. Checks and compiles run first in parallel worker processes.
 
     PYTHONUNBUFFERED=1 python experiments/bench_jagged_attention.py --json bench.json
 """

@@ -23,7 +23,7 @@ def _default() -> ExperimentConfig:
         name="default",
         data=DataConfig(path="data/synth-default", max_len=256, batch_size=512, token_budget=65536),
         model=ModelConfig(arch="dlrm", dlrm=DLRMConfig(embedding_dim=32)),
-        train=TrainConfig(max_epochs=2, lr=2e-3, checkpoint_every_n_steps=100, log_every_n_steps=20),
+        train=TrainConfig(max_epochs=1, lr=2e-3, checkpoint_every_n_steps=100, log_every_n_steps=20),
     )
 
 

@@ -16,7 +16,7 @@ def workdir(tmp_path, monkeypatch):
 
 
 def test_debug_quickstart_learns_and_is_tracked(workdir):
-    report = run_quickstart(preset="debug", flavor="debug", overrides=["train.progress_bar=false", "train.max_epochs=3"])
+    report = run_quickstart(preset="debug", flavor="debug", overrides=["train.progress_bar=false"])
     model = report["results"]["model"]["metrics"]
     assert (workdir / "data/synth-debug/schema.json").is_file()
 

@@ -240,7 +240,7 @@ SYNTH_PRESETS: dict[str, SynthConfig] = {
     "debug": SynthConfig(
         num_users=2_000,
         num_items=1_000,
-        num_examples=20_000,
+        num_examples=40_000,
         max_history=256,
         rows_per_shard=8_192,
         users_per_block=512,
