@@ -347,28 +347,34 @@ def evaluate(ckpt_path: str | Path, split: str = "test", *, data_path: str | Non
 
 
 def base_rate_metrics(log: PredictionLog, num_domains: int, data_cfg: DataConfig) -> dict[str, float]:
-    """NE/AUC of the trivial predictor that outputs the training base rate of each task (and domain)."""
+    """Metrics of the trivial predictor: each row gets its domain's training base rate of the task.
+
+    Keys are ``{task}/base_rate_{metric}[/d{k}]``, beside the model's ``{task}/{metric}[/d{k}]``.
+    """
     from foundation.data.io import iter_valid_row_groups, list_shards
 
     schema = EventSchema.load(data_cfg.path)
-    pos, cnt = defaultdict(float), defaultdict(float)
+    positives = {t: np.zeros(num_domains) for t in TASKS}
+    labelled = {t: np.zeros(num_domains) for t in TASKS}
     for shard in list_shards(data_cfg.path, data_cfg.train_split):
         for _, table in iter_valid_row_groups(shard, schema, policy="quarantine", quarantine=_NullQuarantine()):
+            domain = table.column("domain").to_numpy()
             for task in TASKS:
-                col = table.column(task)
-                pos[task] += float(np.nansum(col.to_numpy(zero_copy_only=False).astype(np.float64)))
-                cnt[task] += len(col) - col.null_count
-    cat = {k: torch.cat(v) for k, v in log.rows.items()}
-    out = {}
+                labels = table.column(task).to_numpy(zero_copy_only=False).astype(np.float64)
+                present = ~np.isnan(labels)
+                positives[task] += np.bincount(domain[present], labels[present], minlength=num_domains)
+                labelled[task] += np.bincount(domain[present], minlength=num_domains)
+    trivial = PredictionLog()
+    trivial.rows = {k: list(v) for k, v in log.rows.items() if not k.endswith("/oracle")}
+    domain = torch.cat(log.rows["domain"])
     for task in TASKS:
-        if f"{task}/prob" not in cat or not cnt[task]:
-            continue
-        rate = torch.full_like(cat[f"{task}/prob"], pos[task] / cnt[task])
-        acc = BinaryMetrics()
-        acc.update(rate, cat[f"{task}/label"], cat[f"{task}/mask"])
-        res = acc.compute()
-        out[f"{task}/base_rate_ne"] = float(res["ne"])
-        out[f"{task}/base_rate_auc"] = float(res["auc"])
+        if f"{task}/prob" in log.rows:
+            rate = torch.from_numpy(positives[task] / np.maximum(labelled[task], 1)).float()
+            trivial.rows[f"{task}/prob"] = [rate[domain]]
+    out = {}
+    for key, value in trivial.metrics(num_domains).items():
+        task, metric, *rest = key.split("/")
+        out["/".join([task, f"base_rate_{metric}", *rest])] = value
     return out
 
 
