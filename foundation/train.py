@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning as L
 import mlflow
+import mlflow.system_metrics
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
@@ -295,6 +296,9 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
     resuming = resume and last.is_file()
     mlflow.set_tracking_uri(tracking_uri(cfg))
     mlflow.set_experiment(cfg.train.experiment)
+    # CPU, memory and (on GPU machines) device utilisation every few seconds, even for short runs.
+    mlflow.system_metrics.set_system_metrics_sampling_interval(2)
+    mlflow.system_metrics.set_system_metrics_samples_before_logging(1)
     run_id = run_id_file.read_text().strip() if resuming and run_id_file.is_file() else None
     with mlflow.start_run(run_id=run_id, run_name=cfg.name, log_system_metrics=True) as run:
         if run_id is None:
