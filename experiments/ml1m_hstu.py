@@ -68,7 +68,8 @@ def valid_item_mask(dataset: Path, num_items: int) -> torch.Tensor | None:
     if not path.is_file():
         return None
     mask = torch.zeros(num_items, dtype=torch.bool)
-    mask[torch.from_numpy(pq.read_table(path, columns=["id"]).column("id").to_numpy())] = True
+    ids = pq.read_table(path, columns=["id"]).column("id").to_numpy()
+    mask[torch.as_tensor(ids.astype("int64", copy=True))] = True
     return mask
 
 
@@ -153,30 +154,48 @@ def run(args: argparse.Namespace) -> dict:
     )
     valid = valid_item_mask(dataset, schema.num_items)
     stream = EventStream(dataset, "train", data_cfg, training=True)
-    history = []
+    history: list[dict] = []
+    start = time.perf_counter()
+
+    def results() -> dict:
+        return {
+            "flavor": args.flavor,
+            "dataset": str(dataset),
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "teacher": cfg.__dict__ | {"history_features": list(cfg.history_features)},
+            "args": vars(args),
+            "epochs_run": len(history),
+            "wall_s": time.perf_counter() - start,
+            "history": history,
+            "final_test": next((r["test"] for r in reversed(history) if "test" in r), {}),
+            "targets": TARGETS.get(args.flavor, {}),
+        }
+
     for epoch in range(args.epochs):
         stream.set_epoch(epoch)
         record = {"epoch": epoch, **train_epoch(model, optimizer, stream, data_cfg, args.max_steps)}
-        if (epoch + 1) % args.eval_every == 0 or epoch + 1 == args.epochs:
+        elapsed = time.perf_counter() - start
+        # With a time budget, stop (after a last evaluation) when another epoch would not fit.
+        out_of_time = args.time_budget > 0 and elapsed * (epoch + 2) / (epoch + 1) > args.time_budget
+        last = epoch + 1 == args.epochs or out_of_time
+        if (epoch + 1) % args.eval_every == 0 or last:
             record["test"] = evaluate(model, dataset, "test", eval_cfg, valid)
+        record["elapsed_s"] = time.perf_counter() - start
         history.append(record)
         print(json.dumps(record), flush=True)
-    results = {
-        "flavor": args.flavor,
-        "dataset": str(dataset),
-        "device": str(device),
-        "teacher": cfg.__dict__ | {"history_features": list(cfg.history_features)},
-        "args": vars(args),
-        "history": history,
-        "final_test": history[-1].get("test", {}),
-        "targets": TARGETS.get(args.flavor, {}),
-    }
+        if "test" in record:  # partial results survive an interrupted run
+            atomic_write_text(out / "results.json", json.dumps(results(), indent=2, default=str))
+        if last:
+            break
+    final = results()
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
         str(out / "model.safetensors"),
     )
-    atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str))
-    return results
+    atomic_write_text(out / "results.json", json.dumps(final, indent=2, default=str))
+    return final
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-steps", type=int, default=-1, help="cap on steps per epoch (-1: the whole split)"
     )
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds: stop early, after a final evaluation, when another epoch would not fit (0: none)",
+    )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--eval-batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)

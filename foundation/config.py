@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foundation.data.pipeline import DataConfig
+from foundation.model.teacher_config import TeacherConfig, teacher_flavor
 
 
 @dataclass
@@ -30,10 +31,13 @@ class DLRMConfig:
 
 @dataclass
 class ModelConfig:
-    """``arch`` picks the builder in ``foundation.model.registry``; the matching sub-config is used."""
+    """``arch`` (``dlrm`` or ``teacher``) picks the builder in ``foundation.model.registry``; the
+    matching sub-config is used. ``loss_weights`` weigh the DLRM's tasks; the teacher carries its own.
+    """
 
     arch: str = "dlrm"
     dlrm: DLRMConfig = field(default_factory=DLRMConfig)
+    teacher: TeacherConfig = field(default_factory=lambda: teacher_flavor("debug"))
     loss_weights: dict[str, float] = field(default_factory=lambda: {"click": 1.0, "conversion": 1.0})
 
 

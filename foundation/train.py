@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ from foundation.data.batch import BatchPosition, JaggedBatch
 from foundation.data.io import CorruptFileError, fsync_dir
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
-from foundation.metrics import BinaryMetrics
+from foundation.metrics import BinaryMetrics, RankingMetrics
+from foundation.model.flops import peak_flops, throughput_metrics
 from foundation.model.registry import build_model
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -150,8 +152,29 @@ class PredictionLog:
         return out
 
 
+def valid_item_mask(dataset_dir: str | Path, num_items: int) -> torch.Tensor | None:
+    """``[num_items]`` bool of ids that are real items, from a converter's ``item_ids.parquet``.
+
+    Full ranking must not count never-used ids (e.g. gaps in MovieLens ids) as candidates.
+    """
+    path = Path(dataset_dir) / "item_ids.parquet"
+    if not path.is_file():
+        return None
+    import pyarrow.parquet as pq
+
+    ids = torch.from_numpy(pq.read_table(path, columns=["id"]).column("id").to_numpy())
+    mask = torch.zeros(num_items, dtype=torch.bool)
+    mask[ids] = True
+    return mask
+
+
 class RecModule(L.LightningModule):
-    """Trains any registered model on ``JaggedBatch`` es; logs loss and NE/AUC/calibration."""
+    """Trains any registered model on ``JaggedBatch`` es.
+
+    Logs the loss, tokens/s (and TFLOP/s and MFU for models with a FLOP counter, on a GPU whose
+    peak is known), and at validation NE/AUC/calibration per task and domain (``ctr``) or
+    HR@K/NDCG@K with full ranking (``next_item``).
+    """
 
     def __init__(self, config: dict[str, Any], schema: dict[str, Any]) -> None:
         super().__init__()
@@ -160,9 +183,26 @@ class RecModule(L.LightningModule):
         self.schema = EventSchema(**schema)
         self.model = build_model(self.cfg.model, self.schema)
         self.val_log = PredictionLog()
+        self.val_ranking = RankingMetrics()
+        self.valid_items: torch.Tensor | None = None
+        self.step_flops = 0.0
+        self.step_started = 0.0
+
+    def setup(self, stage: str) -> None:
+        if self.schema.task == "next_item":
+            self.valid_items = valid_item_mask(self.cfg.data.path, self.schema.num_items)
+
+    def on_before_batch_transfer(self, batch: JaggedBatch, dataloader_idx: int) -> JaggedBatch:
+        # Counted on the host batch: reading offsets after the copy would sync the device.
+        if self.training and hasattr(self.model, "flops"):
+            self.step_flops = self.model.flops(batch, training=True)
+        return batch
 
     def transfer_batch_to_device(self, batch: JaggedBatch, device: torch.device, dataloader_idx: int) -> JaggedBatch:
         return batch.to(device, non_blocking=True)
+
+    def on_train_batch_start(self, batch: JaggedBatch, batch_idx: int) -> None:
+        self.step_started = time.perf_counter()
 
     def training_step(self, batch: JaggedBatch, batch_idx: int) -> torch.Tensor:
         out = self.model(batch)
@@ -172,18 +212,31 @@ class RecModule(L.LightningModule):
             datamodule.record(batch.position)
         for name, value in losses.items():
             self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=batch.batch_size)
-        self.log("train/tokens", float(batch.num_tokens), reduce_fx="sum", batch_size=batch.batch_size)
         return losses["loss"]
+
+    def on_train_batch_end(self, outputs: Any, batch: JaggedBatch, batch_idx: int) -> None:
+        if (self.global_step % self.cfg.train.log_every_n_steps) != 0:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        peak = peak_flops(torch.cuda.get_device_name(self.device), self.cfg.train.precision) if self.device.type == "cuda" else None
+        perf = throughput_metrics(self.step_flops, batch.num_tokens, time.perf_counter() - self.step_started, peak)
+        self.log_dict({f"perf/{k}": v for k, v in perf.items()}, batch_size=batch.batch_size)
 
     def validation_step(self, batch: JaggedBatch, batch_idx: int) -> None:
         out = self.model(batch)
         losses = self.model.loss(batch, out)
         self.log("val/loss", losses["loss"], prog_bar=True, batch_size=batch.batch_size)
-        self.val_log.add(batch, out.logits)
+        if self.schema.task == "next_item":
+            rank_batch(self.model, batch, self.val_ranking, self.valid_items)
+        else:
+            self.val_log.add(batch, out.logits)
 
     def on_validation_epoch_end(self) -> None:
         metrics = self.val_log.metrics(self.schema.num_domains, prefix="val/")
-        self.val_log = PredictionLog()
+        if self.schema.task == "next_item":
+            metrics = {f"val/{k}": v for k, v in self.val_ranking.compute().items()}
+        self.val_log, self.val_ranking = PredictionLog(), RankingMetrics()
         if not self.trainer.sanity_checking:
             self.log_dict({k: v for k, v in metrics.items() if np.isfinite(v)}, batch_size=1)
 
@@ -329,24 +382,47 @@ def load_module(ckpt_path: str | Path) -> RecModule:
     return module.eval()
 
 
+def rank_batch(model: torch.nn.Module, batch: JaggedBatch, ranking: RankingMetrics, valid_items: torch.Tensor | None) -> None:
+    """Full ranking of each row's candidate among all items, the row's history excluded."""
+    mask = valid_items.to(batch.candidate.device) if valid_items is not None else None
+    ranking.update(model.score_items(batch), batch.candidate, batch.history["item_ids"], batch.offsets, valid_items=mask)
+
+
 @torch.inference_mode()
-def predict_split(module: RecModule, data_cfg: DataConfig, split: str) -> PredictionLog:
-    log = PredictionLog()
+def predict_split(module: RecModule, data_cfg: DataConfig, split: str) -> PredictionLog | RankingMetrics:
+    """Predictions over a split: a :class:`PredictionLog` (``ctr``) or :class:`RankingMetrics` (``next_item``)."""
+    from tqdm import tqdm
+
+    next_item = module.schema.task == "next_item"
+    result = RankingMetrics() if next_item else PredictionLog()
+    valid_items = valid_item_mask(data_cfg.path, module.schema.num_items) if next_item else None
     stream = EventStream(data_cfg.path, split, data_cfg, training=False)
-    for batch in build_dataloader(stream, data_cfg):
-        log.add(batch, module.model(batch).logits)
-    return log
+    device = next(module.parameters()).device
+    for batch in tqdm(build_dataloader(stream, data_cfg), desc=f"eval {split}", unit="batch", leave=False):
+        batch = batch.to(device)
+        if next_item:
+            rank_batch(module.model, batch, result, valid_items)
+        else:
+            result.add(batch, module.model(batch).logits)
+    return result
 
 
 def evaluate(ckpt_path: str | Path, split: str = "test", *, data_path: str | None = None) -> dict[str, Any]:
-    """Score ``split`` with a checkpoint; returns metrics beside the oracle and base-rate predictors."""
+    """Score ``split`` with a checkpoint.
+
+    ``ctr`` data: NE/AUC/calibration per task, overall and per domain, beside the oracle and the
+    base-rate predictor. ``next_item`` data: HR@K, NDCG@K and MRR with full ranking.
+    """
     module = load_module(ckpt_path)
     data_cfg = module.cfg.data
     if data_path:
         data_cfg.path = data_path
-    log = predict_split(module, data_cfg, split)
-    metrics = log.metrics(module.schema.num_domains)
-    metrics.update(base_rate_metrics(log, module.schema.num_domains, data_cfg))
+    result = predict_split(module, data_cfg, split)
+    if isinstance(result, RankingMetrics):
+        metrics = result.compute()
+    else:
+        metrics = result.metrics(module.schema.num_domains)
+        metrics.update(base_rate_metrics(result, module.schema.num_domains, data_cfg))
     return {"checkpoint": str(ckpt_path), "split": split, "flavor": module.cfg.name, "metrics": metrics}
 
 

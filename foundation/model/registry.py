@@ -7,11 +7,13 @@ from torch import nn
 from foundation.config import ModelConfig
 from foundation.data.schema import EventSchema
 from foundation.model.baseline import DLRMBaseline
+from foundation.model.teacher import build_teacher
 
 
 def build_model(cfg: ModelConfig, schema: EventSchema) -> nn.Module:
     builders = {
         "dlrm": lambda: DLRMBaseline(cfg.dlrm, schema, cfg.loss_weights),
+        "teacher": lambda: build_teacher(cfg.teacher, schema),
     }
     if cfg.arch not in builders:
         raise ValueError(f"unknown model.arch {cfg.arch!r}; choose one of {sorted(builders)}")

@@ -1,0 +1,92 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) of a parallelized model that reshard on load.
+
+One checkpoint holds, under flat fully-qualified keys:
+
+- ``model.*``: the model's ``state_dict`` (FSDP's DTensors, torchrec's ShardedTensors, plain tensors);
+- ``dense_optim.<param fqn>.<state>``: AdamW's per-parameter state (DTensors, like the parameters);
+- ``sparse_optim.<module fqn>.<param key>.<state>``: the fused sparse optimizer's state per table
+  (ShardedTensors laid out like the tables);
+- ``progress.step``: how many optimizer steps were taken (the data position to resume from).
+
+Every tensor is saved with its global shape and shard offsets, so a checkpoint written at one world
+size and layout (e.g. 4 ranks, HSDP 2 x 2, tables row/column-wise) loads into another (2 ranks
+table-wise, or 1 rank): DCP reads into whatever shards the loading ranks own. Optimizer state that
+depends on the layout (row-wise Adagrad under column-wise sharding keeps one scalar per row shard)
+cannot reshard exactly; use exact ``adagrad`` or ``adam`` for tables that change layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torchrec.distributed.types import ShardedModule
+
+
+def fused_optimizers(model: nn.Module) -> dict[str, object]:
+    """Module fqn -> the torchrec ``KeyedOptimizer`` fused into each sharded embedding module."""
+    return {
+        path: m.fused_optimizer
+        for path, m in model.named_modules()
+        if isinstance(m, ShardedModule) and hasattr(m, "fused_optimizer")
+    }
+
+
+def ensure_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW's state (zeros) where it does not exist yet, so that a load can fill it in place."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+
+
+def dense_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``<param fqn>.<state name>`` -> tensor, for every parameter the optimizer holds state for."""
+    out = {}
+    for name, p in model.named_parameters():
+        for key, value in optimizer.state.get(p, {}).items():
+            out[f"{name}.{key}"] = value
+    return out
+
+
+def sparse_optimizer_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``<module fqn>.<param key>.<state name>`` -> the fused optimizer's state tensors (views of the kernel's)."""
+    out = {}
+    for path, optimizer in fused_optimizers(model).items():
+        for param_key, states in optimizer.state_dict()["state"].items():
+            for name, value in states.items():
+                out[f"{path}.{param_key}.{name}"] = value
+    return out
+
+
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, object]:
+    """The flat dict DCP saves or loads in place (see the module docstring for its keys)."""
+    state: dict[str, object] = {f"model.{k}": v for k, v in model.state_dict().items()}
+    state.update({f"dense_optim.{k}": v for k, v in dense_optimizer_state(model, optimizer).items()})
+    state.update({f"sparse_optim.{k}": v for k, v in sparse_optimizer_state(model).items()})
+    state["progress.step"] = torch.tensor(step)
+    return state
+
+
+def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Collective: every rank writes its shards to ``path`` (a directory shared by all ranks)."""
+    dcp.save(checkpoint_state(model, optimizer, step), checkpoint_id=str(path))
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Collective: fill ``model``, the dense and the fused sparse optimizer from ``path``; returns the step.
+
+    ``model`` must already be parallelized (any layout); the optimizer must be the one built for it.
+    """
+    ensure_adamw_state(optimizer)
+    state = checkpoint_state(model, optimizer, step=0)
+    # In place: FSDP2's state_dict holds the sharded parameters themselves, torchrec's holds views
+    # of the fused kernel's tables and optimizer state, so filling them updates the live model.
+    dcp.load(state, checkpoint_id=str(path))
+    return int(state["progress.step"])

@@ -1,0 +1,122 @@
+"""``parallelize_teacher(model, dims, cfg)``: every parallel dimension applied to a single-device model, in place.
+
+Order, and why:
+
+1. **Embeddings** (torchrec): attach the fused sparse optimizer, plan, and swap each EBC/EC for its
+   sharded variant. First, because FSDP must be told to ignore the table parameters, and the
+   sharded modules own them only after this step.
+2. **TP / CP**: would come here, before FSDP, since FSDP shards whatever (DTensor) parameters TP
+   leaves; not implemented yet, so ``tp`` and ``cp`` must be 1.
+3. **FSDP2 / HSDP** per block, then the root, on the ``dp_shard`` (or ``(dp_replicate, dp_shard)``)
+   mesh.
+4. **Dense optimizer** (:func:`build_dense_optimizer`): AdamW over the parameters FSDP owns.
+
+Each rank must then feed its own slice of the global batch (``dims.dp_rank()`` of ``dims.dp``);
+losses are per-rank means, and both FSDP (reduce-scatter) and torchrec (all-to-all backward)
+average gradients over ranks, so one step equals one single-process step on the mean of the
+per-rank losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.types import ShardedModule, ShardingPlan
+
+from foundation.parallel.dims import ParallelDims
+from foundation.parallel.embeddings import (
+    EmbeddingShardingConfig,
+    apply_embedding_sharding,
+    find_embedding_modules,
+)
+from foundation.parallel.fsdp import FSDPConfig, apply_fsdp
+
+
+@dataclass
+class ParallelConfig:
+    """What :func:`parallelize_teacher` applies besides the degrees in :class:`ParallelDims`.
+
+    Attributes:
+        shard_embeddings: shard the torchrec tables (else they stay whole on every rank and are
+            data-parallel like the rest; fine for small tables).
+        embeddings: sharding types and the fused sparse optimizer.
+        fsdp: apply FSDP2/HSDP to the dense part (else dense parameters are replicated and the
+            caller must reduce their gradients).
+        fsdp_options: precision and unit choice.
+        lr, weight_decay, betas, eps: the dense AdamW.
+    """
+
+    shard_embeddings: bool = True
+    embeddings: EmbeddingShardingConfig = field(default_factory=EmbeddingShardingConfig)
+    fsdp: bool = True
+    fsdp_options: FSDPConfig = field(default_factory=FSDPConfig)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+def check_supported(dims: ParallelDims, cfg: ParallelConfig) -> None:
+    """Reject degree combinations this module does not apply yet, before any collective runs."""
+    if dims.tp > 1 or dims.cp > 1:
+        raise ValueError(
+            f"parallelize_teacher: tensor/context parallel not implemented yet (tp={dims.tp}, cp={dims.cp})"
+        )
+    if cfg.shard_embeddings and dims.emb_replicate > 1:
+        raise ValueError(
+            f"parallelize_teacher: 2-D embedding sharding (emb_shard={dims.emb_shard} < world "
+            f"{dims.world_size}) is not implemented yet; use emb_shard=-1"
+        )
+    if not cfg.fsdp and dims.dp > 1:
+        raise ValueError(
+            "parallelize_teacher: with dp > 1 the dense part needs fsdp=True to reduce its gradients"
+        )
+
+
+def sharded_embedding_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """Parameters owned by torchrec sharded modules (updated by the fused optimizer, not by FSDP/AdamW)."""
+    return {p for m in model.modules() if isinstance(m, ShardedModule) for p in m.parameters()}
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters that the dense optimizer steps: all but the embedding tables.
+
+    Unsharded tables are excluded too when the sparse optimizer already runs in backward on them.
+    """
+    skip = sharded_embedding_parameters(model)
+    skip |= {
+        p
+        for m in find_embedding_modules(model).values()
+        for p in m.parameters()
+        if hasattr(p, "_in_backward_optimizers")
+    }
+    return [p for p in model.parameters() if p.requires_grad and p not in skip]
+
+
+def parallelize_teacher(
+    model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device | None = None
+) -> ShardingPlan | None:
+    """Apply embedding sharding then FSDP2/HSDP to ``model`` in place (see the module docstring for the order).
+
+    ``dims.build_mesh()`` must have been called. Returns the torchrec sharding plan (None when
+    tables are not sharded).
+    """
+    check_supported(dims, cfg)
+    device = device or torch.device("cpu")
+    plan = None
+    if cfg.shard_embeddings:
+        plan = apply_embedding_sharding(model, cfg.embeddings, dist.group.WORLD, device)
+    if cfg.fsdp:
+        mesh = dims.mesh_for("dp_replicate", "dp_shard") if dims.hsdp else dims.mesh_for("dp_shard")
+        apply_fsdp(model, mesh, cfg.fsdp_options, ignored_params=sharded_embedding_parameters(model))
+    return plan
+
+
+def build_dense_optimizer(model: nn.Module, cfg: ParallelConfig) -> torch.optim.AdamW:
+    """AdamW over :func:`dense_parameters` (DTensor shards once FSDP has run)."""
+    return torch.optim.AdamW(
+        dense_parameters(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )

@@ -1,0 +1,238 @@
+"""Parameter sharing: start a student's embedding tables (and optionally towers) from a teacher checkpoint.
+
+Tables are matched by name: a student keeps its tables in an ``nn.ModuleDict`` (``student.tables``
+by default) of ``nn.Embedding`` / ``nn.EmbeddingBag`` named like the teacher's torchrec tables
+(``t_<feature>``, e.g. ``t_age_bucket``; the DLRM item table is ``t_item_id``, the GEM teacher's
+``t_item``); :attr:`SharingConfig.tables` maps names that differ. Where the embedding dims differ,
+the student's table becomes the teacher's table followed by a learned projection
+(:class:`ProjectedTable`). A policy then says what training may do to the teacher's parameters:
+
+- ``freeze``: they stay as the teacher left them (projections still learn);
+- ``finetune``: they train like the rest of the student;
+- ``finetune_lower_lr``: they train at ``lr_scale`` times the student's learning rate.
+
+All checkpoint reading goes through :func:`read_teacher_state`, so a reader for sharded (DCP)
+checkpoints only has to be added there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from foundation.train import load_checkpoint_file
+
+POLICIES = ("freeze", "finetune", "finetune_lower_lr")
+# torchrec keeps a collection's tables at ``<collection>.embedding_bags.<table>.weight`` (pooled) or
+# ``<collection>.embeddings.<table>.weight`` (sequence); both are embedding tables to a student.
+_TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
+_MODULE_PREFIX = "model."
+
+
+class SharingError(ValueError):
+    """A teacher parameter a student asked for is missing or has the wrong shape; the message names it."""
+
+
+def read_teacher_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A teacher checkpoint's parameters by model-relative name (``weights_only=True``, no pickle code).
+
+    Accepts a Lightning checkpoint of :class:`foundation.train.RecModule` (whose keys start with
+    ``model.``) or a bare state dict.
+    """
+    ckpt = load_checkpoint_file(path)
+    state = ckpt.get("state_dict", ckpt)
+    return {k.removeprefix(_MODULE_PREFIX): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def teacher_tables(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Table name -> ``weight[num_embeddings, dim]`` for every torchrec table in ``state``."""
+    tables: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        match = _TABLE_KEY.search(key)
+        if match is None:
+            continue
+        name = match.group(1)
+        if name in tables:
+            raise SharingError(f"teacher table name {name!r} appears twice ({key}); map tables explicitly")
+        tables[name] = value
+    return tables
+
+
+@dataclass
+class SharingConfig:
+    """What to take from the teacher and how the student may train it.
+
+    ``tables``: student table -> teacher table; empty means every student table, by its own name.
+    ``towers``: student submodule path -> teacher parameter prefix (copied name for name, same shapes).
+    ``project``: where embedding dims differ, add a learned projection (otherwise it is an error).
+    """
+
+    tables: dict[str, str] = field(default_factory=dict)
+    towers: dict[str, str] = field(default_factory=dict)
+    policy: str = "finetune"
+    lr_scale: float = 0.1
+    project: bool = True
+    tables_attr: str = "tables"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown sharing policy {self.policy!r}; choose one of {POLICIES}")
+        if not 0 < self.lr_scale <= 1:
+            raise ValueError(f"sharing.lr_scale must be in (0, 1], got {self.lr_scale}")
+
+
+class ProjectedTable(nn.Module):
+    """A teacher table of dim ``d_t`` followed by a learned ``Linear(d_t, d_s, bias=False)``.
+
+    ``forward`` takes what the wrapped ``nn.Embedding`` / ``nn.EmbeddingBag`` takes and returns
+    ``[..., d_s]``, so it replaces the student's table in place.
+    """
+
+    def __init__(self, table: nn.Embedding | nn.EmbeddingBag, out_dim: int) -> None:
+        super().__init__()
+        self.table = table
+        self.proj = nn.Linear(table.embedding_dim, out_dim, bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_(init_projection(table.weight, out_dim))
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.proj.out_features
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.proj(self.table(*args, **kwargs))
+
+
+def init_projection(weight: torch.Tensor, out_dim: int) -> torch.Tensor:
+    """``[out_dim, d_t]`` start for the projection: the table's top right-singular directions.
+
+    Projecting on the principal directions keeps as much of the teacher's geometry as ``out_dim``
+    dims can, so the student starts from the teacher's knowledge rather than a random mix of it;
+    when ``out_dim > d_t`` the extra output dims start at zero.
+    """
+    _, _, vh = torch.linalg.svd(weight.detach().float(), full_matrices=False)
+    out = weight.new_zeros(out_dim, weight.shape[1])
+    k = min(out_dim, vh.shape[0])
+    out[:k] = vh[:k]
+    return out
+
+
+def _table_like(student: nn.Module, weight: torch.Tensor) -> nn.Embedding | nn.EmbeddingBag:
+    """A table of the student's kind (and pooling mode) holding a copy of ``weight``."""
+    if isinstance(student, nn.EmbeddingBag):
+        return nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode=student.mode)
+    return nn.Embedding.from_pretrained(weight.clone(), freeze=False, padding_idx=student.padding_idx)
+
+
+@dataclass
+class SharingResult:
+    """What :func:`apply_sharing` did.
+
+    ``shared``: parameters now holding teacher values (trained as the policy says); ``new``: the
+    projections it added; ``report``: per student table/tower, where it came from and its shapes.
+    """
+
+    policy: str
+    lr_scale: float
+    shared: list[nn.Parameter]
+    new: list[nn.Parameter]
+    report: dict[str, dict]
+
+
+def apply_sharing(student: nn.Module, teacher_state: dict[str, torch.Tensor], cfg: SharingConfig) -> SharingResult:
+    """Copy teacher tables (and towers) into ``student`` in place, projecting where dims differ.
+
+    Raises :class:`SharingError` naming the table or parameter when it is missing in the teacher or
+    its shape does not fit. Call before building the optimizer (see :func:`build_param_groups`).
+    """
+    tables: nn.ModuleDict = getattr(student, cfg.tables_attr)
+    available = teacher_tables(teacher_state)
+    mapping = cfg.tables or {name: name for name in tables}
+    shared: list[nn.Parameter] = []
+    new: list[nn.Parameter] = []
+    report: dict[str, dict] = {}
+    for student_name, teacher_name in mapping.items():
+        if student_name not in tables:
+            raise SharingError(f"student has no table {student_name!r}; its tables: {sorted(tables)}")
+        if teacher_name not in available:
+            raise SharingError(
+                f"student table {student_name!r}: teacher table {teacher_name!r} not in the checkpoint; "
+                f"teacher tables: {sorted(available)}"
+            )
+        table, shared_param, proj = _share_table(student_name, tables[student_name], available[teacher_name], cfg)
+        tables[student_name] = table
+        shared.append(shared_param)
+        new += [proj] if proj is not None else []
+        report[student_name] = {
+            "teacher_table": teacher_name,
+            "teacher_shape": list(available[teacher_name].shape),
+            "projected": proj is not None,
+        }
+    for path, prefix in cfg.towers.items():
+        shared += _share_tower(path, student.get_submodule(path), teacher_state, prefix)
+        report[path] = {"teacher_prefix": prefix, "projected": False}
+    if cfg.policy == "freeze":
+        for p in shared:
+            p.requires_grad_(False)
+    return SharingResult(policy=cfg.policy, lr_scale=cfg.lr_scale, shared=shared, new=new, report=report)
+
+
+def _share_table(
+    name: str, student_table: nn.Module, weight: torch.Tensor, cfg: SharingConfig
+) -> tuple[nn.Module, nn.Parameter, nn.Parameter | None]:
+    """``(table to install, its teacher-valued weight, new projection weight or None)``."""
+    if not isinstance(student_table, (nn.Embedding, nn.EmbeddingBag)):
+        raise SharingError(f"student table {name!r} is a {type(student_table).__name__}, not nn.Embedding(Bag)")
+    rows, dim = student_table.weight.shape
+    if weight.shape[0] != rows:
+        raise SharingError(
+            f"table {name!r}: teacher has {weight.shape[0]} rows, student {rows}; shared tables need the same id space"
+        )
+    weight = weight.to(student_table.weight.device, student_table.weight.dtype)
+    if weight.shape[1] == dim:
+        with torch.no_grad():
+            student_table.weight.copy_(weight)
+        return student_table, student_table.weight, None
+    if not cfg.project:
+        raise SharingError(f"table {name!r}: teacher dim {weight.shape[1]} != student dim {dim} and project=False")
+    projected = ProjectedTable(_table_like(student_table, weight), dim)
+    return projected, projected.table.weight, projected.proj.weight
+
+
+def _share_tower(path: str, module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> list[nn.Parameter]:
+    """Copy ``state[prefix + name]`` into every parameter of ``module``; returns those parameters."""
+    prefix = prefix.rstrip(".") + "."
+    params = list(module.named_parameters())
+    for name, param in params:
+        key = prefix + name
+        if key not in state:
+            near = sorted(k for k in state if k.startswith(prefix))[:5]
+            raise SharingError(f"tower {path!r}: teacher has no parameter {key!r} (teacher has e.g. {near})")
+        if state[key].shape != param.shape:
+            raise SharingError(
+                f"tower {path!r}: parameter {name!r} is {list(param.shape)} in the student, "
+                f"{list(state[key].shape)} in the teacher ({key})"
+            )
+        with torch.no_grad():
+            param.copy_(state[key])
+    return [p for _, p in params]
+
+
+def build_param_groups(student: nn.Module, result: SharingResult, lr: float) -> list[dict]:
+    """Optimizer param groups: the student's own and new parameters at ``lr``, shared ones by the policy.
+
+    ``freeze`` leaves the shared parameters out (they have ``requires_grad=False``);
+    ``finetune_lower_lr`` puts them in a group at ``lr * lr_scale``.
+    """
+    shared_ids = {id(p) for p in result.shared}
+    own = [p for p in student.parameters() if id(p) not in shared_ids and p.requires_grad]
+    groups = [{"name": "student", "params": own, "lr": lr}]
+    if result.policy == "finetune":
+        groups[0]["params"] = own + list(result.shared)
+    elif result.policy == "finetune_lower_lr":
+        groups.append({"name": "shared", "params": list(result.shared), "lr": lr * result.lr_scale})
+    return groups
