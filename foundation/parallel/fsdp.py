@@ -3,7 +3,8 @@
 Blocks are found by duck typing so that model code stays single-device: a model may name its
 units in an attribute ``fsdp_units`` (names of sub-modules or ``ModuleList`` s); otherwise every
 element of every top-level ``nn.ModuleList`` is a unit. Whatever no unit holds (small heads, CLS
-tokens, side embeddings) is sharded with the root. Parameters owned by torchrec's sharded
+tokens, side embeddings) is sharded with the root, unless ``shard_children`` gives each other
+direct child its own unit. Parameters owned by torchrec's sharded
 embedding modules are ignored: their rows are model-parallel and updated by the fused optimizer.
 """
 
@@ -31,12 +32,18 @@ class FSDPConfig:
             until backward (ZeRO-2, more memory, one all-gather fewer).
         units: sub-module names to wrap, overriding the model's ``fsdp_units`` and the
             ``ModuleList`` default.
+        shard_children: also wrap every other direct child with dense parameters (see
+            :func:`other_dense_children`). Needed for bf16 compute when a model feeds fp32
+            embedding outputs into such children; only valid when the model calls those children
+            through ``forward`` (FSDP gathers parameters around ``forward`` only): true of the DLRM
+            baseline, not of the teacher (it calls ``history_embedding.embed_items`` directly).
     """
 
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
     reshard_after_forward: bool = True
     units: tuple[str, ...] | None = None
+    shard_children: bool = False
 
     def __post_init__(self) -> None:
         for name in (self.param_dtype, self.reduce_dtype):
@@ -50,31 +57,56 @@ class FSDPConfig:
         )
 
 
-def find_fsdp_units(model: nn.Module, names: tuple[str, ...] | None = None) -> list[nn.Module]:
-    """The modules that each get their own ``fully_shard`` (a ``ModuleList`` named contributes each element)."""
+def find_unit_paths(model: nn.Module, names: tuple[str, ...] | None = None) -> list[str]:
+    """Fully-qualified names of the block modules (a ``ModuleList`` contributes each element).
+
+    ``names`` overrides the model's ``fsdp_units`` attribute; without either, every top-level
+    ``nn.ModuleList`` is a list of blocks. Blocks without trainable parameters are skipped.
+    """
     names = names if names is not None else getattr(model, "fsdp_units", None)
     if names is None:
-        lists = [m for m in model.children() if isinstance(m, nn.ModuleList)]
-    else:
-        lists = [model.get_submodule(n) for n in names]
-    units = []
-    for m in lists:
-        units += list(m) if isinstance(m, nn.ModuleList) else [m]
-    return [u for u in units if any(p.requires_grad for p in u.parameters())]
+        names = [n for n, m in model.named_children() if isinstance(m, nn.ModuleList)]
+    paths = []
+    for name in names:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.ModuleList):
+            paths += [f"{name}.{i}" for i in range(len(module))]
+        else:
+            paths.append(name)
+    return [p for p in paths if any(q.requires_grad for q in model.get_submodule(p).parameters())]
+
+
+def other_dense_children(model: nn.Module, blocks: list[str], ignored: set[nn.Parameter]) -> list[str]:
+    """Direct children outside the blocks that own trainable dense parameters (heads, towers, projections).
+
+    Each gets its own ``fully_shard`` too: its parameters are gathered only around its forward,
+    and, under mixed precision, FSDP casts its floating inputs to the compute dtype, which is
+    what lets fp32 embedding outputs from torchrec meet bf16 weights.
+    """
+    taken = {p.split(".")[0] for p in blocks}
+    return [
+        name
+        for name, child in model.named_children()
+        if name not in taken
+        and not isinstance(child, nn.ModuleList)
+        and any(p.requires_grad and p not in ignored for p in child.parameters())
+    ]
 
 
 def apply_fsdp(
     model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig, ignored_params: set[nn.Parameter]
 ) -> None:
-    """``fully_shard`` every unit, then the root, over ``mesh``.
+    """``fully_shard`` every block, every other dense child, then the root, over ``mesh``.
 
     A 1-D mesh shards (FSDP); a 2-D ``(dp_replicate, dp_shard)`` mesh replicates across the first
     dim and shards across the second (HSDP).
     """
     policy = cfg.mixed_precision()
-    for unit in find_fsdp_units(model, cfg.units):
+    blocks = find_unit_paths(model, cfg.units)
+    children = other_dense_children(model, blocks, ignored_params) if cfg.shard_children else []
+    for path in blocks + children:
         fully_shard(
-            unit,
+            model.get_submodule(path),
             mesh=mesh,
             mp_policy=policy,
             reshard_after_forward=cfg.reshard_after_forward,

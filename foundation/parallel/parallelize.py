@@ -7,9 +7,10 @@ Order, and why:
    sharded modules own them only after this step.
 2. **TP / CP**: would come here, before FSDP, since FSDP shards whatever (DTensor) parameters TP
    leaves; not implemented yet, so ``tp`` and ``cp`` must be 1.
-3. **FSDP2 / HSDP** per block, then the root, on the ``dp_shard`` (or ``(dp_replicate, dp_shard)``)
+3. **Activation checkpointing** (optional) per block, so that FSDP's unit wraps the recomputed block.
+4. **FSDP2 / HSDP** per block, then the root, on the ``dp_shard`` (or ``(dp_replicate, dp_shard)``)
    mesh.
-4. **Dense optimizer** (:func:`build_dense_optimizer`): AdamW over the parameters FSDP owns.
+5. **Dense optimizer** (:func:`build_dense_optimizer`): AdamW over the parameters FSDP owns.
 
 Each rank must then feed its own slice of the global batch (``dims.dp_rank()`` of ``dims.dp``);
 losses are per-rank means, and both FSDP (reduce-scatter) and torchrec (all-to-all backward)
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.types import ShardedModule, ShardingPlan
 
+from foundation.parallel.activation import apply_activation_checkpointing
 from foundation.parallel.dims import ParallelDims
 from foundation.parallel.embeddings import (
     EmbeddingShardingConfig,
@@ -46,6 +48,7 @@ class ParallelConfig:
         fsdp: apply FSDP2/HSDP to the dense part (else dense parameters are replicated and the
             caller must reduce their gradients).
         fsdp_options: precision and unit choice.
+        activation_checkpointing: recompute each block's activations in backward.
         lr, weight_decay, betas, eps: the dense AdamW.
     """
 
@@ -53,6 +56,7 @@ class ParallelConfig:
     embeddings: EmbeddingShardingConfig = field(default_factory=EmbeddingShardingConfig)
     fsdp: bool = True
     fsdp_options: FSDPConfig = field(default_factory=FSDPConfig)
+    activation_checkpointing: bool = False
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -99,7 +103,7 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 def parallelize_teacher(
     model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device | None = None
 ) -> ShardingPlan | None:
-    """Apply embedding sharding then FSDP2/HSDP to ``model`` in place (see the module docstring for the order).
+    """Apply embedding sharding, activation checkpointing, then FSDP2/HSDP to ``model`` in place (see the module docstring for the order).
 
     ``dims.build_mesh()`` must have been called. Returns the torchrec sharding plan (None when
     tables are not sharded).
@@ -109,6 +113,8 @@ def parallelize_teacher(
     plan = None
     if cfg.shard_embeddings:
         plan = apply_embedding_sharding(model, cfg.embeddings, dist.group.WORLD, device)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model, cfg.fsdp_options.units)
     if cfg.fsdp:
         mesh = dims.mesh_for("dp_replicate", "dp_shard") if dims.hsdp else dims.mesh_for("dp_shard")
         apply_fsdp(model, mesh, cfg.fsdp_options, ignored_params=sharded_embedding_parameters(model))

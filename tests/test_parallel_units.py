@@ -1,0 +1,40 @@
+"""Block discovery for FSDP units and activation checkpointing, in one process (no process group)."""
+
+from __future__ import annotations
+
+import torch
+
+from foundation.model.teacher import build_teacher
+from foundation.parallel.activation import apply_activation_checkpointing
+from foundation.parallel.fsdp import find_unit_paths
+from tests.test_teacher_support import CTR_SCHEMA, make_batch, tiny_config
+
+
+def build():
+    torch.manual_seed(0)
+    return build_teacher(tiny_config(dropout=0.0), CTR_SCHEMA)
+
+
+def test_teacher_blocks_are_the_elements_of_its_module_lists():
+    paths = find_unit_paths(build())
+    assert {p.split(".")[0] for p in paths} == {"blocks", "summaries", "pffns", "user_interactions"}
+    assert "blocks.0" in paths and "blocks.1" in paths
+
+
+def test_named_units_override_the_default():
+    assert find_unit_paths(build(), ("blocks", "experts")) == ["blocks.0", "blocks.1", "experts"]
+
+
+def test_activation_checkpointing_keeps_names_values_and_gradients():
+    torch.set_num_threads(1)
+    batch = make_batch(CTR_SCHEMA, [0, 3, 5, 1])
+    plain, checkpointed = build(), build()
+    wrapped = apply_activation_checkpointing(checkpointed, ("blocks",))
+    assert wrapped == ["blocks.0", "blocks.1"]
+    assert checkpointed.state_dict().keys() == plain.state_dict().keys()
+    for model in (plain, checkpointed):
+        model.loss(batch, model(batch))["loss"].backward()
+    # named_parameters keeps the wrapper's prefix (state_dict does not); strip it to pair them up.
+    twins = {n.replace("._checkpoint_wrapped_module", ""): p for n, p in checkpointed.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(twins[name].grad, p.grad, atol=1e-6, rtol=0)
