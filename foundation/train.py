@@ -221,6 +221,8 @@ class RecModule(L.LightningModule):
             torch.cuda.synchronize(self.device)
         peak = peak_flops(torch.cuda.get_device_name(self.device), self.cfg.train.precision) if self.device.type == "cuda" else None
         perf = throughput_metrics(self.step_flops, batch.num_tokens, time.perf_counter() - self.step_started, peak)
+        if not self.step_flops:
+            perf = {"tokens_per_s": perf["tokens_per_s"]}
         self.log_dict({f"perf/{k}": v for k, v in perf.items()}, batch_size=batch.batch_size)
 
     def validation_step(self, batch: JaggedBatch, batch_idx: int) -> None:

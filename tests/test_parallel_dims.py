@@ -52,8 +52,8 @@ def test_bad_degrees_raise_clear_errors(kwargs, message):
 
 
 def test_unsupported_combinations_are_rejected_before_any_collective():
-    with pytest.raises(ValueError, match="tensor/context parallel"):
-        check_supported(ParallelDims(dp_shard=1, tp=2, world_size=2), ParallelConfig())
+    with pytest.raises(ValueError, match="context parallel"):
+        check_supported(ParallelDims(dp_shard=1, cp=2, world_size=2), ParallelConfig())
     with pytest.raises(ValueError, match="2-D embedding sharding"):
         check_supported(ParallelDims(dp_shard=-1, emb_shard=1, world_size=2), ParallelConfig())
     with pytest.raises(ValueError, match="fsdp=True"):

@@ -34,9 +34,11 @@ from foundation.parallel import (
     build_dense_optimizer,
     parallelize_teacher,
 )
-from foundation.parallel.checkpoint import load_checkpoint, save_checkpoint
+from foundation.parallel import checkpoint as checkpoint_module
+from foundation.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from foundation.parallel.embeddings import SHARDING_TYPES, apply_sparse_optimizer, summarize_plan
 from foundation.parallel.state import export_single_file, gather_full_state_dict
+from foundation.parallel.tensor import find_linear_pairs
 from tests.test_teacher_support import CTR_SCHEMA, make_batch, select_rows, tiny_config
 
 STEPS = 5
@@ -68,8 +70,9 @@ def sparse(
 class Case:
     """One parallel run: ``world`` ranks, a model, ``ParallelDims`` degrees and a ``ParallelConfig``.
 
-    ``resume_from`` names a case whose checkpoint (written after ``SAVE_AT`` steps) this one loads
-    before training the remaining steps.
+    ``resume_from`` names a case whose latest complete checkpoint this one loads before training
+    the remaining steps. ``killed_in_save`` makes rank 1 die inside the save at ``SAVE_AT``,
+    after writing its shards and before the checkpoint is published (the run yields no results).
     """
 
     world: int
@@ -78,12 +81,26 @@ class Case:
     cfg: ParallelConfig
     resume_from: str | None = None
     export: bool = False
+    killed_in_save: bool = False
 
-    def step_worlds(self) -> list[int]:
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many distinct slices of the global batch the ranks read."""
+        return ParallelDims(world_size=self.world, **self.degrees).dp
+
+    @property
+    def first_step(self) -> int:
+        """The step training starts at: the step of the checkpoint it resumes (SAVE_AT, or 1 if that save was killed)."""
+        if self.resume_from is None:
+            return 0
+        return 1 if CASES[self.resume_from].killed_in_save else SAVE_AT
+
+    def step_slices(self) -> list[int]:
         """How many slices the global batch of each trained step is cut into (the reference's view)."""
         if self.resume_from is None:
-            return [self.world] * STEPS
-        return [CASES[self.resume_from].world] * SAVE_AT + [self.world] * (STEPS - SAVE_AT)
+            return [self.dp] * STEPS
+        first = self.first_step
+        return [CASES[self.resume_from].dp] * first + [self.dp] * (STEPS - first)
 
 
 # The checkpointed case uses exact Adagrad: row-wise Adagrad's state under column-wise sharding
@@ -102,6 +119,9 @@ CASES = {
             sparse(("table_wise",)), fsdp_options=FSDPConfig(param_dtype="bf16", shard_children=True)
         ),
     ),
+    # Tensor parallel alone (dp = 1: both ranks read the whole batch), tables table-wise.
+    "dlrm_table_wise_tp": Case(2, "dlrm", {"dp_shard": 1, "tp": 2}, sparse(("table_wise",))),
+    "teacher_table_wise_tp": Case(2, "teacher", {"dp_shard": 1, "tp": 2}, sparse(("table_wise",))),
     "dlrm_fsdp_only": Case(2, "dlrm", {}, dataclasses.replace(sparse(()), shard_embeddings=False)),
     # Also exports one safetensors file that a single-device teacher loads.
     "teacher_table_wise_fsdp": Case(2, "teacher", {}, sparse(("table_wise",)), export=True),
@@ -116,6 +136,8 @@ CASES = {
     # HSDP 2 x 2 with tables sharded over all 4 ranks, mixing all three sharding types; saves a
     # DCP checkpoint after SAVE_AT steps.
     "teacher_mixed_hsdp_2x2": Case(4, "teacher", {"dp_replicate": 2, "dp_shard": 2}, MIXED_4),
+    # Three dimensions at once: tables over 4 ranks x FSDP over dp_shard=2 x TP over tp=2.
+    "dlrm_table_wise_fsdp2_tp2": Case(4, "dlrm", {"dp_shard": 2, "tp": 2}, sparse(("table_wise",))),
     # Resume that checkpoint on 2 ranks (FSDP, every table table-wise) and on 1 rank.
     "teacher_resume_4_to_2": Case(
         2, "teacher", {}, sparse(("table_wise",), "adagrad"), resume_from="teacher_mixed_hsdp_2x2"
@@ -123,29 +145,22 @@ CASES = {
     "teacher_resume_4_to_1": Case(
         1, "teacher", {}, sparse(("table_wise",), "adagrad"), resume_from="teacher_mixed_hsdp_2x2"
     ),
+    # Kill test: a rank dies mid-save at SAVE_AT; the resumed run (another world size) must start
+    # from the last complete checkpoint (step 1) and still match uninterrupted training.
+    "dlrm_killed_mid_save": Case(2, "dlrm", {}, sparse(("table_wise",)), killed_in_save=True),
+    "dlrm_resume_after_kill": Case(
+        1, "dlrm", {}, sparse(("table_wise",)), resume_from="dlrm_killed_mid_save"
+    ),
 }
 SAVES = {c.resume_from for c in CASES.values() if c.resume_from}
-
-
-class FixedOrderDLRM(DLRMBaseline):
-    """``DLRMBaseline`` interacting its vectors in a fixed feature order.
-
-    The baseline stacks ``pooled.values()`` in the order the EBCs return them, and a sharded EBC
-    returns its features grouped by shard (table-wise: rank 0's tables first), which would permute
-    the interaction's pairs. Until the baseline orders by name itself, the test pins the order.
-    """
-
-    def embed(self, batch):
-        pooled = super().embed(batch)
-        order = [k for k in ("candidate", "history_items", "history_clicks") if k in pooled]
-        return {k: pooled[k] for k in order + [f.name for f in self.schema.sparse]}
+KILLED_EXIT_CODE = 17
 
 
 def build_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "dlrm":
         cfg = DLRMConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 8), repr_dim=8)
-        return FixedOrderDLRM(cfg, CTR_SCHEMA, {"click": 1.0, "conversion": 1.0})
+        return DLRMBaseline(cfg, CTR_SCHEMA, {"click": 1.0, "conversion": 1.0})
     return build_teacher(tiny_config(dropout=0.0), CTR_SCHEMA)
 
 
@@ -157,10 +172,10 @@ def global_batches():
     ]
 
 
-def slices_of(batch, world: int) -> list:
-    """The global batch cut into ``world`` contiguous per-rank slices."""
-    rows = GLOBAL_ROWS // world
-    return [select_rows(batch, list(range(r * rows, (r + 1) * rows))) for r in range(world)]
+def slices_of(batch, num_slices: int) -> list:
+    """The global batch cut into ``num_slices`` contiguous slices (one per data-parallel rank)."""
+    rows = GLOBAL_ROWS // num_slices
+    return [select_rows(batch, list(range(r * rows, (r + 1) * rows))) for r in range(num_slices)]
 
 
 def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -170,8 +185,8 @@ def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
         apply_sparse_optimizer(model, case.cfg.embeddings)
     optimizer = build_dense_optimizer(model, case.cfg)
     losses = []
-    for batch, world in zip(global_batches(), case.step_worlds(), strict=True):
-        loss = sum(model.loss(b, model(b))["loss"] for b in slices_of(batch, world)) / world
+    for batch, num_slices in zip(global_batches(), case.step_slices(), strict=True):
+        loss = sum(model.loss(b, model(b))["loss"] for b in slices_of(batch, num_slices)) / num_slices
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -190,14 +205,22 @@ def train_parallel(name: str, checkpoints: Path) -> tuple[list[float], dict[str,
     dims = ParallelDims(world_size=world, **case.degrees)
     dims.build_mesh("cpu")
     model = build_model(case.kind)
+    # TP has something to shard: MLP pairs (DLRM bottom/top, the teacher's Wukong FM MLPs).
+    assert bool(find_linear_pairs(model)) or dims.tp == 1
     plan = parallelize_teacher(model, dims, case.cfg)
     wrapped = any(isinstance(m, CheckpointWrapper) for m in model.modules())
     assert wrapped == case.cfg.activation_checkpointing
     optimizer = build_dense_optimizer(model, case.cfg)
-    first = load_checkpoint(checkpoints / case.resume_from, model, optimizer) if case.resume_from else 0
+    first = 0
+    if case.resume_from:
+        first = load_checkpoint(latest_checkpoint(checkpoints / case.resume_from), model, optimizer)
+        assert first == case.first_step
     losses = []
     for step, batch in enumerate(global_batches()[first:], start=first):
-        if name in SAVES and step == SAVE_AT:
+        # An earlier checkpoint too: resuming must pick the latest complete one.
+        if name in SAVES and step in (1, SAVE_AT):
+            if case.killed_in_save and step == SAVE_AT:
+                die_after_writing_shards(rank=1)
             save_checkpoint(checkpoints / name, model, optimizer, step)
         part = slices_of(batch, dims.dp)[dims.dp_rank()]
         loss = model.loss(part, model(part))["loss"]
@@ -210,6 +233,18 @@ def train_parallel(name: str, checkpoints: Path) -> tuple[list[float], dict[str,
     if case.export:
         export_single_file(model, checkpoints / f"{name}.safetensors")
     return losses, gather_full_state_dict(model), summarize_plan(plan) if plan else {}
+
+
+def die_after_writing_shards(rank: int) -> None:
+    """Make ``rank`` exit abruptly once DCP has written its shards, before the checkpoint is published."""
+    write_shards = checkpoint_module.dcp.save
+
+    def save_then_die(*args, **kwargs):
+        write_shards(*args, **kwargs)
+        if dist.get_rank() == rank:
+            os._exit(KILLED_EXIT_CODE)
+
+    checkpoint_module.dcp.save = save_then_die
 
 
 def worker(rank: int, world: int, port: int, cases: list[str], out_dir: str, checkpoints: str) -> None:
@@ -230,7 +265,11 @@ def free_port() -> int:
 
 
 def spawn(world: int, cases: list[str], checkpoints: Path) -> dict:
-    """Run ``worker`` on ``world`` processes; fail (never hang) past ``SPAWN_TIMEOUT_S``."""
+    """Run ``worker`` on ``world`` processes; fail (never hang) past ``SPAWN_TIMEOUT_S``.
+
+    Cases that kill a rank get no results: the first process to exit abnormally makes ``join``
+    terminate the others, and ``{}`` is returned when that was the planned kill.
+    """
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
@@ -241,11 +280,16 @@ def spawn(world: int, cases: list[str], checkpoints: Path) -> dict:
             start_method="spawn",
         )
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"parallel workers did not finish within {SPAWN_TIMEOUT_S}s")
+        try:
+            while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    pytest.fail(f"parallel workers did not finish within {SPAWN_TIMEOUT_S}s")
+        except mp.ProcessExitedException as exited:
+            if not all(CASES[n].killed_in_save for n in cases) or exited.exit_code != KILLED_EXIT_CODE:
+                raise
+            return {}
         return torch.load(Path(out_dir) / "results.pt", weights_only=True)
 
 
@@ -275,18 +319,28 @@ def parallel_results(checkpoint_dir):
     spawns whose checkpoints its cases resume from."""
     cache: dict[int, dict] = {}
 
+    killed: set[str] = set()
+
+    def run_killed(name: str) -> None:
+        if name not in killed:
+            assert spawn(CASES[name].world, [name], checkpoint_dir) == {}
+            killed.add(name)
+
     def run_world(world: int) -> dict:
         if world not in cache:
-            names = [n for n, c in CASES.items() if c.world == world]
+            names = [n for n, c in CASES.items() if c.world == world and not c.killed_in_save]
             for source in {CASES[n].resume_from for n in names} - {None}:
-                run_world(CASES[source].world)
+                if CASES[source].killed_in_save:
+                    run_killed(source)
+                else:
+                    run_world(CASES[source].world)
             cache[world] = spawn(world, names, checkpoint_dir)
         return cache[world]
 
     return lambda name: run_world(CASES[name].world)[name]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c.killed_in_save])
 def test_parallel_training_matches_single_process(name, parallel_results):
     """Losses of every trained step and all final parameters (tables included) match the reference.
 
@@ -298,7 +352,7 @@ def test_parallel_training_matches_single_process(name, parallel_results):
     ref_losses, ref_params = train_reference(case)
     losses, params, plan = parallel_results(name)
     assert_plan_follows_config(plan, case.cfg, case.world)
-    assert len(losses) == (STEPS - SAVE_AT if case.resume_from else STEPS)
+    assert len(losses) == STEPS - case.first_step
     if case.cfg.fsdp_options.param_dtype == "bf16":
         assert losses == pytest.approx(ref_losses, abs=BF16_TOLERANCE)
         assert losses != pytest.approx(ref_losses, abs=1e-6), "bf16 compute should not be bit-identical"

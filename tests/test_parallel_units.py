@@ -1,4 +1,4 @@
-"""Block discovery for FSDP units and activation checkpointing, in one process (no process group)."""
+"""Block discovery for FSDP units, activation checkpointing and TP pairs, in one process (no process group)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from foundation.model.teacher import build_teacher
 from foundation.parallel.activation import apply_activation_checkpointing
 from foundation.parallel.fsdp import find_unit_paths
+from foundation.parallel.tensor import find_linear_pairs
 from tests.test_teacher_support import CTR_SCHEMA, make_batch, tiny_config
 
 
@@ -38,3 +39,18 @@ def test_activation_checkpointing_keeps_names_values_and_gradients():
     twins = {n.replace("._checkpoint_wrapped_module", ""): p for n, p in checkpointed.named_parameters()}
     for name, p in plain.named_parameters():
         torch.testing.assert_close(twins[name].grad, p.grad, atol=1e-6, rtol=0)
+
+
+def test_tensor_parallel_pairs_linears_separated_by_elementwise_modules_only():
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.0),
+        torch.nn.Linear(8, 4),
+        torch.nn.LayerNorm(4),  # not elementwise over a sharded width: breaks a pair
+        torch.nn.Linear(4, 8),
+        torch.nn.LayerNorm(8),
+        torch.nn.Linear(8, 2),
+        torch.nn.Linear(2, 2),
+    )
+    assert find_linear_pairs(torch.nn.ModuleDict({"mlp": mlp})) == [("mlp.0", "mlp.3"), ("mlp.7", "mlp.8")]

@@ -80,6 +80,7 @@ class DLRMBaseline(nn.Module):
         )
         self.domain_emb = nn.Embedding(schema.num_domains, d)
         self.bottom = build_mlp([max(schema.dense_dim, 1), *cfg.bottom_mlp, d])
+        self.feature_order = [*item_features, *(f.name for f in schema.sparse)]
         self.user_keys = [f.name for f in schema.user_features] + (list(HISTORY_KEYS) if cfg.use_history else [])
         self.item_keys = [f.name for f in schema.item_features] + ["candidate"]
         num_vectors = len(schema.sparse) + len(item_features) + 2
@@ -99,7 +100,8 @@ class DLRMBaseline(nn.Module):
     def forward(self, batch: JaggedBatch) -> ModelOutput:
         pooled = self.embed(batch)
         dense_in = batch.dense if self.schema.dense_dim else batch.dense.new_zeros(batch.batch_size, 1)
-        vectors = [self.bottom(dense_in), self.domain_emb(batch.domain), *pooled.values()]
+        # By name, not dict order: a sharded EBC returns its features grouped by shard.
+        vectors = [self.bottom(dense_in), self.domain_emb(batch.domain), *(pooled[k] for k in self.feature_order)]
         stacked = torch.stack(vectors, dim=1)
         gram = stacked @ stacked.transpose(1, 2)
         i, j = torch.triu_indices(len(vectors), len(vectors), offset=1, device=gram.device)

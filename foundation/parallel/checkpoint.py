@@ -8,6 +8,8 @@ One checkpoint holds, under flat fully-qualified keys:
   (ShardedTensors laid out like the tables);
 - ``progress.step``: how many optimizer steps were taken (the data position to resume from).
 
+Checkpoints live in ``root/step_<N>/`` and are published atomically (see :func:`save_checkpoint`).
+
 Every tensor is saved with its global shape and shard offsets, so a checkpoint written at one world
 size and layout (e.g. 4 ranks, HSDP 2 x 2, tables row/column-wise) loads into another (2 ranks
 table-wise, or 1 rank): DCP reads into whatever shards the loading ranks own. Optimizer state that
@@ -20,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torchrec.distributed.types import ShardedModule
@@ -74,9 +77,37 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     return state
 
 
-def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Collective: every rank writes its shards to ``path`` (a directory shared by all ranks)."""
-    dcp.save(checkpoint_state(model, optimizer, step), checkpoint_id=str(path))
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint is complete once it was renamed into place with DCP's metadata (written last)."""
+    return path.is_dir() and not path.name.startswith(".") and (path / ".metadata").is_file()
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete ``step_*`` checkpoint with the highest step under ``root`` (partial writes are ignored)."""
+    root = Path(root)
+    done = [p for p in root.glob("step_*") if is_complete(p)] if root.is_dir() else []
+    return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def save_checkpoint(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
+    """Collective: write ``root/step_<step>`` atomically; returns its path.
+
+    Every rank writes its shards into a hidden temporary directory; after all ranks are done,
+    rank 0 renames it into place. A run killed mid-save leaves only the temporary directory,
+    which :func:`latest_checkpoint` never picks.
+    """
+    final = step_dir(root, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    dcp.save(checkpoint_state(model, optimizer, step), checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp.replace(final)
+    dist.barrier()
+    return final
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -84,9 +115,25 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 
     ``model`` must already be parallelized (any layout); the optimizer must be the one built for it.
     """
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no DCP .metadata); use latest_checkpoint()"
+        )
     ensure_adamw_state(optimizer)
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     state = checkpoint_state(model, optimizer, step=0)
+    # Parameters that had no optimizer state when saved (never received a gradient, e.g. a head
+    # the loss does not read) must stay fresh: AdamW starts their state at their first gradient.
+    state = {k: v for k, v in state.items() if k in saved or not k.startswith("dense_optim.")}
+    drop_unsaved_adamw_state(model, optimizer, saved)
     # In place: FSDP2's state_dict holds the sharded parameters themselves, torchrec's holds views
     # of the fused kernel's tables and optimizer state, so filling them updates the live model.
     dcp.load(state, checkpoint_id=str(path))
     return int(state["progress.step"])
+
+
+def drop_unsaved_adamw_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    for name, p in model.named_parameters():
+        if p in optimizer.state and f"dense_optim.{name}.step" not in saved:
+            del optimizer.state[p]

@@ -49,6 +49,7 @@ class ParallelDims:
     emb_shard: int = -1
     world_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -109,8 +110,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """The one ``DeviceMesh`` of shape ``[dp_replicate, dp_shard, cp, tp]`` (needs an initialised process group).
 
-        Flattened views (``dp``, ``dp_shard_cp``) are registered on it so that :meth:`mesh_for`
-        can hand them out by name.
+        Flattened views (``dp``, ``dp_shard_cp``) are built with it so that :meth:`mesh_for` can
+        hand them out by name.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -123,8 +124,8 @@ class ParallelDims:
             )
         shape = tuple(getattr(self, n) for n in DENSE_DIM_NAMES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DENSE_DIM_NAMES)
-        for flat_name, parts in FLATTENED_DIMS.items():
-            mesh[parts]._flatten(flat_name)
+        # Kept here rather than sliced from the root later: torch deprecates slicing flattened dims.
+        self._flat = {name: mesh[parts]._flatten(name) for name, parts in FLATTENED_DIMS.items()}
         self._mesh = mesh
         return mesh
 
@@ -140,7 +141,10 @@ class ParallelDims:
         unknown = [n for n in names if n not in known]
         if not names or unknown:
             raise KeyError(f"unknown mesh dim(s) {unknown or names}; known: {known}")
-        return self.mesh[names[0] if len(names) == 1 else names]
+        root = self.mesh
+        if len(names) == 1 and names[0] in FLATTENED_DIMS:
+            return self._flat[names[0]]
+        return root[names[0] if len(names) == 1 else names]
 
     def dp_rank(self) -> int:
         """This rank's index among the ``dp`` data-parallel ranks (which slice of the global batch it reads)."""

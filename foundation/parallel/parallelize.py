@@ -5,8 +5,9 @@ Order, and why:
 1. **Embeddings** (torchrec): attach the fused sparse optimizer, plan, and swap each EBC/EC for its
    sharded variant. First, because FSDP must be told to ignore the table parameters, and the
    sharded modules own them only after this step.
-2. **TP / CP**: would come here, before FSDP, since FSDP shards whatever (DTensor) parameters TP
-   leaves; not implemented yet, so ``tp`` and ``cp`` must be 1.
+2. **TP** on the ``tp`` mesh: column/row-wise pairs of MLP ``Linear`` s (see
+   :mod:`foundation.parallel.tensor`), before FSDP, since FSDP then shards TP's DTensor parameters
+   over the data-parallel mesh (2-D). CP is not applied yet (``cp`` must be 1).
 3. **Activation checkpointing** (optional) per block, so that FSDP's unit wraps the recomputed block.
 4. **FSDP2 / HSDP** per block, then the root, on the ``dp_shard`` (or ``(dp_replicate, dp_shard)``)
    mesh.
@@ -35,6 +36,7 @@ from foundation.parallel.embeddings import (
     find_embedding_modules,
 )
 from foundation.parallel.fsdp import FSDPConfig, apply_fsdp
+from foundation.parallel.tensor import apply_tensor_parallel
 
 
 @dataclass
@@ -65,10 +67,8 @@ class ParallelConfig:
 
 def check_supported(dims: ParallelDims, cfg: ParallelConfig) -> None:
     """Reject degree combinations this module does not apply yet, before any collective runs."""
-    if dims.tp > 1 or dims.cp > 1:
-        raise ValueError(
-            f"parallelize_teacher: tensor/context parallel not implemented yet (tp={dims.tp}, cp={dims.cp})"
-        )
+    if dims.cp > 1:
+        raise ValueError(f"parallelize_teacher: context parallel not implemented yet (cp={dims.cp})")
     if cfg.shard_embeddings and dims.emb_replicate > 1:
         raise ValueError(
             f"parallelize_teacher: 2-D embedding sharding (emb_shard={dims.emb_shard} < world "
@@ -103,7 +103,7 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 def parallelize_teacher(
     model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device | None = None
 ) -> ShardingPlan | None:
-    """Apply embedding sharding, activation checkpointing, then FSDP2/HSDP to ``model`` in place (see the module docstring for the order).
+    """Apply embedding sharding, TP, activation checkpointing, then FSDP2/HSDP to ``model`` in place (see the module docstring for the order).
 
     ``dims.build_mesh()`` must have been called. Returns the torchrec sharding plan (None when
     tables are not sharded).
@@ -113,6 +113,8 @@ def parallelize_teacher(
     plan = None
     if cfg.shard_embeddings:
         plan = apply_embedding_sharding(model, cfg.embeddings, dist.group.WORLD, device)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.mesh_for("tp"))
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, cfg.fsdp_options.units)
     if cfg.fsdp:
