@@ -81,6 +81,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
     _write_json(args.json, result)
 
 
+def cmd_teacher_outputs(args: argparse.Namespace) -> None:
+    from foundation.train import load_module, tracking_uri
+    from transfer.teacher_outputs import write_teacher_outputs
+
+    if not Path(args.ckpt).is_file():
+        raise CLIError(f"checkpoint not found: {args.ckpt}")
+    data = args.data or load_module(args.ckpt).cfg.data.path
+    stats = write_teacher_outputs(
+        args.ckpt, data, args.split, args.out, rows_per_shard=args.rows_per_shard, tracking_uri=tracking_uri()
+    )
+    print(json.dumps({k: v for k, v in stats.items() if k != "manifest"}, indent=2, default=str))
+    _write_json(args.json, stats)
+
+
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from experiments.quickstart import run_quickstart
 
@@ -122,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", help="dataset directory (default: the one the checkpoint was trained on)")
     ev.add_argument("--json")
     ev.set_defaults(fn=cmd_eval)
+
+    to = sub.add_parser("teacher-outputs", help="run a teacher checkpoint once over a split (resumable)")
+    to.add_argument("--ckpt", required=True)
+    to.add_argument("--split", default="train")
+    to.add_argument("--data", help="dataset directory (default: the one the checkpoint was trained on)")
+    to.add_argument("--out", required=True)
+    to.add_argument("--rows-per-shard", type=int, default=65536)
+    to.add_argument("--json")
+    to.set_defaults(fn=cmd_teacher_outputs)
 
     qs = sub.add_parser("quickstart", help="synthetic data -> training -> evaluation, all in MLflow")
     qs.add_argument("--preset", default="default")

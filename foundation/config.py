@@ -16,6 +16,7 @@ from typing import Any
 
 from foundation.data.pipeline import DataConfig
 from foundation.model.teacher_config import TeacherConfig, teacher_flavor
+from value_models.student import StudentConfig
 
 
 @dataclass
@@ -31,13 +32,14 @@ class DLRMConfig:
 
 @dataclass
 class ModelConfig:
-    """``arch`` (``dlrm`` or ``teacher``) picks the builder in ``foundation.model.registry``; the
+    """``arch`` (``dlrm``, ``teacher`` or ``student``) picks the builder in ``foundation.model.registry``; the
     matching sub-config is used. ``loss_weights`` weigh the DLRM's tasks; the teacher carries its own.
     """
 
     arch: str = "dlrm"
     dlrm: DLRMConfig = field(default_factory=DLRMConfig)
     teacher: TeacherConfig = field(default_factory=lambda: teacher_flavor("debug"))
+    student: StudentConfig = field(default_factory=StudentConfig)
     loss_weights: dict[str, float] = field(default_factory=lambda: {"click": 1.0, "conversion": 1.0})
 
 

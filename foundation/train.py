@@ -38,8 +38,10 @@ from foundation.model.registry import build_model
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
-def tracking_uri(cfg: ExperimentConfig) -> str:
-    return cfg.train.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
+    """The config's tracking URI, else ``$MLFLOW_TRACKING_URI``, else the local ``mlflow.db``."""
+    configured = cfg.train.tracking_uri if cfg is not None else ""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
 
 
 class EventDataModule(L.LightningDataModule):

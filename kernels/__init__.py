@@ -5,9 +5,16 @@ kernels on CUDA tensors and the PyTorch reference elsewhere; ``"pytorch"`` and `
 force one (the Triton one also runs on CPU tensors under ``TRITON_INTERPRET=1``, which is how
 the tests check it without a GPU). Every backend takes the same arguments and returns the same
 function of them, with gradients for ``q``, ``k``, ``v``, ``pos_bias`` and ``time_bias``.
+
+The environment variable ``GEM_ATTENTION_BACKEND`` (``pytorch`` or ``triton``), when set and not
+``auto``, replaces ``backend="auto"`` at every call (an explicit backend is never overridden):
+it runs a whole model on one backend without touching model code, e.g. to benchmark the
+reference against the kernels (``experiments/bench_teacher.py --backend pytorch``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -76,6 +83,11 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
+        forced = os.environ.get("GEM_ATTENTION_BACKEND", "auto")
+        if forced not in _BACKENDS:
+            raise ValueError(f"GEM_ATTENTION_BACKEND must be one of {_BACKENDS}, got {forced!r}")
+        if forced != "auto":
+            return forced
         return "triton" if q.is_cuda else "pytorch"
     return backend
 

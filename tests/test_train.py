@@ -113,6 +113,11 @@ def test_eval_writes_json_and_cli_errors_are_clear(dataset, tmp_path, capsys):
         assert main(bad_args) == 2
         assert expected in capsys.readouterr().err
 
+    assert main(["teacher-outputs", "--ckpt", str(ckpt), "--split", "test", "--out", str(tmp_path / "to"), "--rows-per-shard", "128"]) == 0
+    manifest = json.loads((tmp_path / "to" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["rows"] == 300
+    capsys.readouterr()
+
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     assert main(["eval", "--ckpt", str(ckpt)]) == 2
     assert "unreadable checkpoint" in capsys.readouterr().err

@@ -11,15 +11,18 @@ vectors meet in a pairwise dot-product interaction, then a top MLP feeds one log
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from foundation.config import DLRMConfig
 from foundation.data.batch import JaggedBatch
 from foundation.data.schema import TASKS, EventSchema
 from foundation.model.outputs import ModelOutput, multitask_bce
+
+if TYPE_CHECKING:  # the config module imports the student, which imports build_mlp from here
+    from foundation.config import DLRMConfig
 
 HISTORY_KEYS = ("history_items", "history_clicks")
 

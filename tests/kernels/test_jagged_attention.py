@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import kernels
 from kernels import jagged_attention, jagged_cross_attention
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import time_bucket
@@ -259,6 +260,22 @@ def test_auto_backend_uses_reference_on_cpu():
     auto = jagged_attention(t["q"], t["k"], t["v"], offsets, 4)
     ref = jagged_attention(t["q"], t["k"], t["v"], offsets, 4, backend="pytorch")
     assert torch.equal(auto, ref)
+
+
+def test_env_var_overrides_auto_backend_only(monkeypatch):
+    t = _inputs([4, 3], 1, 16, 16, torch.float32, seed=2)
+    offsets = _offsets([4, 3])
+    monkeypatch.setenv("GEM_ATTENTION_BACKEND", "triton")
+    assert kernels._resolve_backend("auto", t["q"]) == "triton"
+    assert kernels._resolve_backend("pytorch", t["q"]) == "pytorch"
+    forced = jagged_attention(t["q"], t["k"], t["v"], offsets, 4)
+    triton_out = jagged_attention(t["q"], t["k"], t["v"], offsets, 4, backend="triton")
+    assert torch.equal(forced, triton_out)
+    monkeypatch.setenv("GEM_ATTENTION_BACKEND", "auto")
+    assert kernels._resolve_backend("auto", t["q"]) == "pytorch"
+    monkeypatch.setenv("GEM_ATTENTION_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="GEM_ATTENTION_BACKEND"):
+        jagged_attention(t["q"], t["k"], t["v"], offsets, 4)
 
 
 @pytest.mark.parametrize(

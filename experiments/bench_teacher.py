@@ -1,0 +1,294 @@
+"""Training throughput of a GEM teacher flavor on one GPU: tokens/s, TFLOP/s, MFU, memory, start-up.
+
+Usage::
+
+    python -m experiments.bench_teacher --flavor large --token-budget 65536 --steps 40 \\
+        --data /tmp/world --json /tmp/large_triton.json
+    python -m experiments.bench_teacher --flavor large --backend pytorch --max-history 512 \\
+        --token-budget 16384 --steps 20 --data /tmp/world --json /tmp/large_pytorch.json
+    python -m experiments.bench_teacher --flavor debug --steps 3 --rows 2000 --examples 4000   # CPU smoke test
+
+A synthetic ``large`` world (histories up to ``--world-max-history`` = 4096 events, scaled down to
+``--examples`` impressions) is generated into ``--data`` (reused when it already holds a dataset)
+or a temporary directory. The flavor is built on the device and trained for ``--steps`` AdamW
+steps under bf16 autocast on token-budgeted batches of the train split (pinned host memory,
+non-blocking copies), stopping early at ``--time-limit`` seconds of training. Set
+``TRITON_CACHE_AUTOTUNING=1`` to reuse the kernels' autotuning across runs.
+
+Reported (stdout and ``--json``): time to the first finished step from process start and from
+the start of the model build; steady-state tokens/s, TFLOP/s and MFU over the steps after
+``--warmup`` (each step timed end to end, data wait included; FLOPs from ``model.flops`` on the
+host batch, valid tokens only; peak from :func:`foundation.model.flops.peak_flops`); peak GPU
+memory (``torch.cuda.max_memory_allocated``); the loss of the first and last steps.
+
+``--backend pytorch`` runs every attention of the model on the padded PyTorch reference (through
+``GEM_ATTENTION_BACKEND``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
+short ``--max-history`` and a small budget. On CUDA out-of-memory the run retries at half the
+token budget (``--oom-retries`` times) and records every failed budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_T0 = time.perf_counter()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (``/proc``), or since this module loaded where unavailable."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _T0
+
+
+import torch  # noqa: E402
+
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  # noqa: E402
+from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
+from foundation.data.synthetic import generate_world, synth_preset  # noqa: E402
+from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
+from foundation.model.teacher import build_teacher, teacher_flavor  # noqa: E402
+from foundation.model.teacher_config import TEACHER_FLAVORS  # noqa: E402
+
+PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
+
+
+def prepare_world(args: argparse.Namespace, directory: Path) -> dict:
+    """Generate the synthetic world into ``directory`` unless a dataset is already there."""
+    if (directory / SCHEMA_FILE).is_file():
+        return {"generated": False, "seconds": 0.0}
+    cfg = synth_preset(
+        "large",
+        num_examples=args.examples,
+        num_users=args.users or max(args.examples // 10, 64),
+        max_history=args.world_max_history,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    stats = generate_world(cfg, directory, progress=False)
+    return {
+        "generated": True,
+        "seconds": time.perf_counter() - start,
+        "rows": stats["rows"],
+        "history_len": stats["history_len"],
+    }
+
+
+def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict) -> dict:
+    """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses."""
+    use_cuda = device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    stream = EventStream(data_dir, "train", data_cfg, training=True)
+    times, flops, tokens, rows, max_lens, losses = [], [], [], [], [], []
+    start = last = time.perf_counter()
+    for batch in build_dataloader(stream, data_cfg):
+        if len(times) == args.steps:
+            break
+        flops.append(model.flops(batch))  # on the host copy: no device sync
+        tokens.append(batch.num_tokens)
+        rows.append(batch.batch_size)
+        max_lens.append(batch.max_len)
+        batch = batch.to(device, non_blocking=True)
+        with autocast:
+            out = model(batch)
+            loss = model.loss(batch, out)["loss"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if use_cuda:
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        losses.append(float(loss.detach()))
+        times.append(now - last)
+        last = now
+        if "first_step_process_s" not in marks:
+            marks["first_step_process_s"] = process_age_s()
+            marks["first_step_from_build_s"] = now - marks["build_start"]
+        print(
+            f"step {len(times):4d}  {times[-1] * 1e3:8.1f} ms  rows {rows[-1]:5d}  tokens {tokens[-1]:7d}"
+            f"  max_len {max_lens[-1]:5d}  loss {losses[-1]:.4f}",
+            flush=True,
+        )
+        if now - start > args.time_limit:
+            print(f"time limit {args.time_limit} s reached after {len(times)} steps", flush=True)
+            break
+    return {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
+
+
+def summarize(trace: dict, warmup: int, peak: float | None) -> dict:
+    """Steady-state throughput over the steps after ``warmup`` (after the first, if too few ran)."""
+    n = len(trace["times"])
+    skip = warmup if n > warmup else min(1, n - 1)
+    sel = slice(max(skip, 0), n)
+    seconds = sum(trace["times"][sel])
+    steady = throughput_metrics(sum(trace["flops"][sel]), sum(trace["tokens"][sel]), seconds, peak)
+    times = trace["times"][sel]
+    median = statistics.median(times) if times else float("nan")
+    # The same without outlier steps (> 2x the median: autotuning or compiling for a new shape).
+    keep = [i for i in range(sel.start, n) if trace["times"][i] <= 2 * median]
+    filtered = throughput_metrics(
+        sum(trace["flops"][i] for i in keep),
+        sum(trace["tokens"][i] for i in keep),
+        sum(trace["times"][i] for i in keep),
+        peak,
+    )
+    losses = trace["losses"]
+    return {
+        "steps_run": n,
+        "steady_steps": len(times),
+        "steady_seconds": seconds,
+        **{f"steady_{k}": v for k, v in steady.items()},
+        "outlier_steps": len(times) - len(keep),
+        **{f"steady_no_outliers_{k}": v for k, v in filtered.items()},
+        "step_ms_median": median * 1e3,
+        "step_ms_min": min(times) * 1e3 if times else float("nan"),
+        "step_ms_max": max(times) * 1e3 if times else float("nan"),
+        "first_step_ms": trace["times"][0] * 1e3 if n else float("nan"),
+        "mean_tokens_per_step": sum(trace["tokens"]) / max(n, 1),
+        "mean_rows_per_step": sum(trace["rows"]) / max(n, 1),
+        "mean_tflop_per_step": sum(trace["flops"]) / max(n, 1) / 1e12,
+        "loss_first": losses[0] if losses else float("nan"),
+        "loss_last": losses[-1] if losses else float("nan"),
+        "loss_first3_mean": sum(losses[:3]) / max(len(losses[:3]), 1),
+        "loss_last3_mean": sum(losses[-3:]) / max(len(losses[-3:]), 1),
+        "losses_finite": all(math.isfinite(x) for x in losses),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.backend != "auto":
+        os.environ["GEM_ATTENTION_BACKEND"] = args.backend
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    torch.set_float32_matmul_precision("high")
+    with tempfile.TemporaryDirectory(prefix="bench_teacher_") as tmp:
+        data_dir = Path(args.data) if args.data else Path(tmp) / "world"
+        world = prepare_world(args, data_dir)
+        print(f"world: {json.dumps(world)}", flush=True)
+        schema = EventSchema.load(data_dir)
+        cfg = teacher_flavor(args.flavor)
+        max_history = args.max_history or cfg.max_len
+        if max_history > cfg.max_len:
+            raise ValueError(f"--max-history {max_history} exceeds the flavor's max_len {cfg.max_len}")
+        marks: dict = {"build_start": time.perf_counter()}
+        model = build_teacher(cfg, schema).to(device)
+        fused = device.type == "cuda"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=fused)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        marks["build_s"] = time.perf_counter() - marks["build_start"]
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = peak_flops(device_name, PRECISIONS[args.precision]) if device.type == "cuda" else None
+        budget, failed = args.token_budget, []
+        while True:
+            data_cfg = DataConfig(
+                path=str(data_dir),
+                max_len=max_history,
+                batch_size=args.rows,
+                token_budget=budget,
+                num_workers=args.workers,
+                seed=args.seed,
+                pin_memory=True,
+            )
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            oom = False
+            try:
+                trace = train(model, optimizer, data_dir, data_cfg, args, device, marks)
+            except torch.cuda.OutOfMemoryError as err:
+                oom = True
+                print(f"OOM at token budget {budget}: {str(err).splitlines()[0]}", flush=True)
+            if not oom:
+                break
+            failed.append(budget)
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            if len(failed) > args.oom_retries or budget // 2 < max_history:
+                raise SystemExit(f"out of memory at token budgets {failed}")
+            budget //= 2
+        result = {
+            "flavor": args.flavor,
+            "backend": args.backend,
+            "resolved_backend": args.backend if args.backend != "auto" else ("triton" if device.type == "cuda" else "pytorch"),
+            "precision": args.precision,
+            "token_budget": budget,
+            "oom_token_budgets": failed,
+            "rows_cap": args.rows,
+            "max_history": max_history,
+            "device_name": device_name,
+            "torch": torch.__version__,
+            "triton": _triton_version(),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "peak_flops": peak,
+            "world": world,
+            "build_s": marks["build_s"],
+            "first_step_from_process_start_s": marks.get("first_step_process_s"),
+            "first_step_from_build_s": marks.get("first_step_from_build_s"),
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            **summarize(trace, args.warmup, peak),
+            "trace": trace,
+            "args": vars(args),
+        }
+    return result
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavor", default="large", choices=sorted(TEACHER_FLAVORS))
+    parser.add_argument("--rows", type=int, default=4096, help="row cap per batch (the token budget binds first)")
+    parser.add_argument("--max-history", type=int, default=0, help="history truncation (0: the flavor's max_len)")
+    parser.add_argument("--token-budget", type=int, default=65536, help="history tokens per batch")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="stop training after this many seconds")
+    parser.add_argument("--backend", default="auto", choices=("auto", "pytorch", "triton"))
+    parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--data", default=None, help="world dir: reused if it holds a dataset, else generated")
+    parser.add_argument("--examples", type=int, default=80_000, help="impressions of a generated world")
+    parser.add_argument("--users", type=int, default=0, help="users of a generated world (0: examples / 10)")
+    parser.add_argument("--world-max-history", type=int, default=4096)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--oom-retries", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    summary = {k: v for k, v in result.items() if k not in ("trace", "args", "world")}
+    print(json.dumps(summary, indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
