@@ -63,8 +63,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = load_flavor(args.flavor, args.overrides)
     if not Path(cfg.data.path, "schema.json").is_file():
         raise CLIError(
-            f"dataset {cfg.data.path!r} not found; create it with `gem data synth --out {cfg.data.path}` "
-            "or point data.path=... at a dataset"
+            f"dataset {cfg.data.path!r} not found; create it with `gem data synth --preset debug|default|large "
+            f"--out {cfg.data.path}` or `gem data convert ...`, or point data.path=... at a dataset"
         )
     result = train(cfg, resume=not args.no_resume)
     print(json.dumps(result, indent=2, sort_keys=True))
