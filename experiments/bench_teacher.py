@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m experiments.bench_teacher --flavor large --token-budget 65536 --steps 40 \\
+    python -m experiments.bench_teacher --flavor large --token-budget 16384 --steps 40 \\
         --data /tmp/world --json /tmp/large_triton.json
     python -m experiments.bench_teacher --flavor large --backend pytorch --max-history 512 \\
         --token-budget 16384 --steps 20 --data /tmp/world --json /tmp/large_pytorch.json
@@ -24,7 +24,9 @@ memory (``torch.cuda.max_memory_allocated``); the loss of the first and last ste
 ``--backend pytorch`` runs every attention of the model on the padded PyTorch reference (through
 ``GEM_ATTENTION_BACKEND``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
 short ``--max-history`` and a small budget. On CUDA out-of-memory the run retries at half the
-token budget (``--oom-retries`` times) and records every failed budget.
+token budget (``--oom-retries`` times) and records every failed budget; the model then keeps
+the steps it took before (its first reported loss is not a fresh model's). Results are in
+``docs/benchmarks.md`` ("GEM teacher").
 """
 
 from __future__ import annotations
@@ -261,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--flavor", default="large", choices=sorted(TEACHER_FLAVORS))
     parser.add_argument("--rows", type=int, default=4096, help="row cap per batch (the token budget binds first)")
     parser.add_argument("--max-history", type=int, default=0, help="history truncation (0: the flavor's max_len)")
-    parser.add_argument("--token-budget", type=int, default=65536, help="history tokens per batch")
+    parser.add_argument(
+        "--token-budget", type=int, default=16384, help="history tokens per batch (65536 OOMs `large` on an H200)"
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
     parser.add_argument("--time-limit", type=float, default=120.0, help="stop training after this many seconds")

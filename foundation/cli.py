@@ -1,4 +1,4 @@
-"""The ``gem`` command line: data, training, evaluation and the quickstart pipeline.
+"""The ``gem`` command line: data, training, evaluation, teacher outputs, transfer reports and the quickstart.
 
 Every subcommand validates its arguments before doing work and reports problems as one line
 (``gem: error: ...``, exit code 2) instead of a traceback.
@@ -95,6 +95,31 @@ def cmd_teacher_outputs(args: argparse.Namespace) -> None:
     _write_json(args.json, stats)
 
 
+def cmd_transfer_report(args: argparse.Namespace) -> None:
+    from transfer.report import ReportConfig, run_transfer_report
+
+    if not Path(args.ckpt).is_file():
+        raise CLIError(f"checkpoint not found: {args.ckpt}")
+    if args.data and not Path(args.data, "schema.json").is_file():
+        raise CLIError(f"dataset {args.data!r} not found (no schema.json)")
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    try:
+        cfg = ReportConfig(
+            teacher_ckpt=args.ckpt,
+            out_dir=args.out,
+            data_path=args.data or "",
+            flavor=args.flavor,
+            seeds=args.seeds,
+            student_split=args.student_split,
+            rows_per_shard=args.rows_per_shard,
+            overrides=tuple(args.overrides),
+            **({"methods": methods} if methods else {}),
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    print(run_transfer_report(cfg))
+
+
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from experiments.quickstart import run_quickstart
 
@@ -145,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("--rows-per-shard", type=int, default=65536)
     to.add_argument("--json")
     to.set_defaults(fn=cmd_teacher_outputs)
+
+    rep = sub.add_parser(
+        "transfer-report", help="teacher outputs -> students per transfer method -> NE/AUC/TR report (prints its path)"
+    )
+    rep.add_argument("--ckpt", required=True, help="teacher checkpoint")
+    rep.add_argument("--data", help="dataset directory (default: the one the teacher was trained on)")
+    rep.add_argument("--out", required=True, help="directory for teacher outputs, student runs and the report")
+    rep.add_argument("--flavor", default="student-debug", help="student flavor")
+    rep.add_argument("--methods", default="", help="comma-separated transfer methods (default: all)")
+    rep.add_argument("--seeds", type=int, default=2)
+    rep.add_argument("--student-split", default="train", help="split the students train on (e.g. valid: a later window)")
+    rep.add_argument("--rows-per-shard", type=int, default=65536)
+    rep.add_argument("overrides", nargs="*", help="overrides of the student flavor, e.g. train.max_steps=100")
+    rep.set_defaults(fn=cmd_transfer_report)
 
     qs = sub.add_parser("quickstart", help="synthetic data -> training -> evaluation, all in MLflow")
     qs.add_argument("--preset", default="default")

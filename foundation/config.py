@@ -64,11 +64,25 @@ class TrainConfig:
 
 
 @dataclass
+class TransferConfig:
+    """Teacher outputs (:mod:`transfer.teacher_outputs`) a student trains and is evaluated with.
+
+    ``teacher_outputs`` maps a split name (``train``, ``valid``, ``test``) to its output directory; a
+    model whose ``forward`` takes ``teacher=`` gets each batch's rows, joined by ``example_id``. Every
+    directory must come from one teacher checkpoint: ``checkpoint_sha256`` when set, else the first read.
+    """
+
+    teacher_outputs: dict[str, str] = field(default_factory=dict)
+    checkpoint_sha256: str = ""
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "debug"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

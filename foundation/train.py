@@ -5,17 +5,23 @@ The path a newcomer should read: ``train(cfg)`` builds the :class:`EventDataModu
 Lightning ``Trainer`` with ``ModelCheckpoint`` and an ``MLFlowLogger``, then fits, resuming from
 ``last.ckpt`` when the run directory has one. ``evaluate(ckpt, split)`` scores a split and returns
 NE/AUC/calibration per task, overall and per domain, beside the oracle and base-rate predictors.
+
+Students learn from a teacher through ``cfg.transfer.teacher_outputs`` (split -> teacher-output
+directory): the module reads each split's outputs once, verified, and passes a model whose ``forward``
+takes ``teacher=`` the batch's rows (:meth:`RecModule.forward_batch`); the MLflow run is tagged with
+the teacher's run id, checkpoint sha256 and the manifests it read (:func:`transfer_lineage`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import mlflow
@@ -33,7 +39,11 @@ from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import BinaryMetrics, RankingMetrics
 from foundation.model.flops import peak_flops, throughput_metrics
+from foundation.model.outputs import ModelOutput
 from foundation.model.registry import build_model
+
+if TYPE_CHECKING:
+    from transfer.teacher_outputs import TeacherOutputs
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -189,6 +199,43 @@ class RecModule(L.LightningModule):
         self.valid_items: torch.Tensor | None = None
         self.step_flops = 0.0
         self.step_started = 0.0
+        self.takes_teacher = "teacher" in inspect.signature(self.model.forward).parameters
+        if self.cfg.transfer.teacher_outputs and not self.takes_teacher:
+            raise ValueError(
+                f"transfer.teacher_outputs is set, but model.arch={self.cfg.model.arch!r} takes no teacher outputs"
+            )
+        self._teacher_outputs: dict[str, TeacherOutputs] = {}
+
+    def teacher_outputs(self, split: str) -> TeacherOutputs | None:
+        """The verified teacher outputs configured for ``split`` (read once, then cached), or None.
+
+        All splits must come from one teacher checkpoint (``transfer.checkpoint_sha256`` when set,
+        else the one of the first split read); a mismatch raises the reader's error.
+        """
+        path = self.cfg.transfer.teacher_outputs.get(split)
+        if path is None:
+            return None
+        if split not in self._teacher_outputs:
+            # transfer.teacher_outputs imports this module, so it is imported on first use.
+            from transfer.teacher_outputs import read_teacher_outputs
+
+            first = next(iter(self._teacher_outputs.values()), None)
+            expected = self.cfg.transfer.checkpoint_sha256 or (first.manifest["teacher"]["checkpoint_sha256"] if first else None)
+            self._teacher_outputs[split] = read_teacher_outputs(path, checkpoint_sha256=expected)
+        return self._teacher_outputs[split]
+
+    def forward_batch(self, batch: JaggedBatch, split: str) -> ModelOutput:
+        """The model's output on a batch of ``split``, given ``teacher=`` that split's rows when it takes them.
+
+        The teacher rows (``{task}_logit [B]``, ``user_repr [B, d]``, ...) are on the batch's device; an
+        example id without teacher outputs raises :class:`transfer.teacher_outputs.TeacherOutputsError`.
+        """
+        outputs = self.teacher_outputs(split)
+        if outputs is None:
+            return self.model(batch)
+        device = batch.candidate.device
+        teacher = {k: v.to(device, non_blocking=True) for k, v in outputs.take(batch.example_id).items()}
+        return self.model(batch, teacher=teacher)
 
     def setup(self, stage: str) -> None:
         if self.schema.task == "next_item":
@@ -207,7 +254,7 @@ class RecModule(L.LightningModule):
         self.step_started = time.perf_counter()
 
     def training_step(self, batch: JaggedBatch, batch_idx: int) -> torch.Tensor:
-        out = self.model(batch)
+        out = self.forward_batch(batch, self.cfg.data.train_split)
         losses = self.model.loss(batch, out)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and batch.position is not None:
@@ -228,7 +275,7 @@ class RecModule(L.LightningModule):
         self.log_dict({f"perf/{k}": v for k, v in perf.items()}, batch_size=batch.batch_size)
 
     def validation_step(self, batch: JaggedBatch, batch_idx: int) -> None:
-        out = self.model(batch)
+        out = self.forward_batch(batch, self.cfg.data.eval_split)
         losses = self.model.loss(batch, out)
         self.log("val/loss", losses["loss"], prog_bar=True, batch_size=batch.batch_size)
         if self.schema.task == "next_item":
@@ -337,6 +384,23 @@ def quarantine_count(dataset_dir: str | Path) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in qdir.glob("*.parquet")) if qdir.is_dir() else 0
 
 
+def transfer_lineage(module: RecModule) -> dict[str, str]:
+    """MLflow tags tying a run to the teacher outputs it reads: ``gem.teacher_run_id``,
+    ``gem.checkpoint_sha256`` and ``gem.teacher_outputs.<split>`` (the manifest's path); empty without any.
+
+    Reads (and so verifies) every configured split's outputs before training starts.
+    """
+    from transfer.teacher_outputs import MANIFEST_FILE
+
+    tags: dict[str, str] = {}
+    for split, path in module.cfg.transfer.teacher_outputs.items():
+        teacher = module.teacher_outputs(split).manifest["teacher"]
+        tags["gem.teacher_run_id"] = teacher["mlflow_run_id"] or ""
+        tags["gem.checkpoint_sha256"] = teacher["checkpoint_sha256"]
+        tags[f"gem.teacher_outputs.{split}"] = str((Path(path) / MANIFEST_FILE).resolve())
+    return tags
+
+
 def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
     """Fit ``cfg`` and return ``{"run_id", "checkpoint", "checkpoint_sha256", "metrics"}``.
 
@@ -351,6 +415,7 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
     last = out / "checkpoints" / "last.ckpt"
     run_id_file = out / "mlflow_run_id"
     resuming = resume and last.is_file()
+    lineage = transfer_lineage(module)
     mlflow.set_tracking_uri(tracking_uri(cfg))
     mlflow.set_experiment(cfg.train.experiment)
     # CPU, memory and (on GPU machines) device utilisation every few seconds, even for short runs.
@@ -361,7 +426,9 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
         if run_id is None:
             mlflow.log_params(cfg.flat())
             mlflow.log_dict(cfg.to_dict(), "config.json")
-            mlflow.set_tags({"gem.stage": "train", "gem.flavor": cfg.name, "gem.dataset": str(cfg.data.path)})
+            mlflow.set_tags(
+                {"gem.stage": "train", "gem.flavor": cfg.name, "gem.dataset": str(cfg.data.path), **lineage}
+            )
             (out / "mlflow_run_id").write_text(run.info.run_id)
         logger = MLFlowLogger(
             experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run.info.run_id
@@ -407,7 +474,7 @@ def predict_split(module: RecModule, data_cfg: DataConfig, split: str) -> Predic
         if next_item:
             rank_batch(module.model, batch, result, valid_items)
         else:
-            result.add(batch, module.model(batch).logits)
+            result.add(batch, module.forward_batch(batch, split).logits)
     return result
 
 

@@ -231,7 +231,8 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
         repr_dim=128,
         generative=True,
     ),
-    # Sized for one H200 with long sequences (pair with a token budget of ~64k tokens per batch):
+    # Sized for one H200 with long sequences (pair with a token budget of ~16k tokens per batch: at
+    # 32k the generative loss's per-position negatives alone take ~8 GiB; see docs/benchmarks.md):
     # ~85M parameters in the HSTU blocks and ~410M dense parameters in all; the sequence arch
     # (blocks, PFFN, PMA, attention) takes almost all the FLOPs.
     "large": TeacherConfig(

@@ -1,0 +1,98 @@
+"""Teacher -> teacher outputs -> students trained through the harness -> transfer report, with lineage."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from experiments.flavors import get_flavor
+from foundation.cli import main
+from foundation.config import apply_overrides
+from foundation.train import RecModule, load_module, predict_split, train
+from tests.events import write_dataset
+from transfer.report import REPORT_MD, ReportConfig, run_transfer_report
+from transfer.teacher_outputs import TeacherOutputsError
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """A tiny DLRM teacher, then a report over ``alone``, KD and AH+SA with representations (1 seed)."""
+    root = tmp_path_factory.mktemp("transfer")
+    data = write_dataset(root / "data", rows={"train": 640, "valid": 192, "test": 192}, row_group_size=64)
+    uri = f"sqlite:///{root}/mlflow.db"
+    common = [f"train.tracking_uri={uri}", "train.progress_bar=false", f"train.out_dir={root / 'runs'}"]
+    teacher_cfg = apply_overrides(
+        get_flavor("debug"),
+        [*common, f"data.path={data}", "train.max_steps=10", "model.dlrm.repr_dim=6", "model.dlrm.top_mlp=(16,)"],
+    )
+    teacher = train(teacher_cfg)
+    cfg = ReportConfig(
+        teacher_ckpt=teacher["checkpoint"],
+        out_dir=str(root / "report"),
+        methods=("kd", "ah-sa-repr"),
+        seeds=1,
+        rows_per_shard=256,
+        overrides=(*common, "train.max_steps=6", "model.student.hidden=(16,)"),
+    )
+    path = run_transfer_report(cfg)
+    return {"teacher": teacher, "report": json.loads(path.read_text()), "path": path, "uri": uri}
+
+
+def test_report_has_every_method_with_finite_ne_and_transfer_ratio(pipeline):
+    report = pipeline["report"]
+    assert set(report["methods"]) == {"alone", "kd", "ah-sa-repr"}
+    for name, method in report["methods"].items():
+        for section in ("ne", "auc", "tr"):
+            for key in ("click", "conversion", "click/d0"):
+                stat = method[section][key]
+                assert math.isfinite(stat["mean"]) and stat["std"] == 0.0, (name, section, key)
+    assert report["methods"]["alone"]["tr"]["click"]["mean"] == 0.0
+    assert report["teacher"]["checkpoint_sha256"] == pipeline["teacher"]["checkpoint_sha256"]
+    assert "| kd |" in (pipeline["path"].parent / REPORT_MD).read_text()
+
+    client = mlflow.tracking.MlflowClient(pipeline["uri"])
+    artifacts = {a.path for a in client.list_artifacts(report["mlflow_run_id"])}
+    assert {"transfer_report.json", "transfer_report.md", "transfer_report.png"} <= artifacts
+
+
+def test_student_runs_carry_the_teachers_lineage(pipeline):
+    client = mlflow.tracking.MlflowClient(pipeline["uri"])
+    kd = client.get_run(pipeline["report"]["methods"]["kd"]["runs"][0]).data.tags
+    assert kd["gem.teacher_run_id"] == pipeline["teacher"]["run_id"]
+    assert kd["gem.checkpoint_sha256"] == pipeline["teacher"]["checkpoint_sha256"]
+    for split in ("train", "valid", "test"):
+        manifest = json.loads(Path(kd[f"gem.teacher_outputs.{split}"]).read_text())
+        assert manifest["source"]["split"] == split
+    alone = client.get_run(pipeline["report"]["methods"]["alone"]["runs"][0]).data.tags
+    assert "gem.teacher_run_id" not in alone, "the no-transfer baseline must not read the teacher"
+
+
+def test_harness_rejects_outputs_of_another_split_or_teacher(pipeline):
+    ckpt = pipeline["report"]["methods"]["kd"]["checkpoints"][0]
+    module = load_module(ckpt)
+    outputs = module.cfg.transfer.teacher_outputs
+    module.cfg.transfer.teacher_outputs = {**outputs, "valid": outputs["test"]}
+    with pytest.raises(TeacherOutputsError, match="example ids have no teacher outputs"):
+        predict_split(module, module.cfg.data, "valid")
+
+    module = load_module(ckpt)
+    module.cfg.transfer.checkpoint_sha256 = "0" * 64
+    with pytest.raises(TeacherOutputsError, match="not the requested"):
+        predict_split(module, module.cfg.data, "test")
+
+    dlrm = load_module(pipeline["teacher"]["checkpoint"])
+    dlrm.cfg.transfer.teacher_outputs = outputs
+    with pytest.raises(ValueError, match=r"model\.arch='dlrm' takes no teacher outputs"):
+        RecModule(dlrm.cfg.to_dict(), dict(dlrm.hparams["schema"]))
+
+
+def test_cli_validates_transfer_report_arguments(pipeline, tmp_path, capsys):
+    assert main(["transfer-report", "--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path)]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
+    args = ["transfer-report", "--ckpt", pipeline["teacher"]["checkpoint"], "--out", str(tmp_path), "--methods", "kd,nope"]
+    assert main(args) == 2
+    assert "unknown transfer methods ['nope']" in capsys.readouterr().err

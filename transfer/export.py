@@ -1,0 +1,502 @@
+"""The versioned embedding store: teacher user/item vectors for serving and retrieval.
+
+Layout of a store::
+
+    LATEST                 the name of the newest published version, e.g. ``v000003`` (replaced atomically)
+    .lock                  held (flock) by the one exporter writing at a time
+    v000001/
+        manifest.json      version, parent, mode, teacher run id, checkpoint sha256, created_at, dims,
+                           row counts, refresh counts, sha256 and size of every other file
+        users.npy          float32 [U, d]  user_repr from each user's latest row (max timestamp)
+        user_ids.npy       int64 [U], sorted ascending (lookups use searchsorted)
+        user_timestamps.npy    int64 [U]   timestamp of the row each vector was computed from
+        user_fingerprints.npy  uint64 [U]  hash of that row's user-side model inputs
+        user_updated_version.npy int64 [U] the version that computed the vector (freshness)
+        items.npy, item_ids.npy, item_timestamps.npy, item_fingerprints.npy, item_updated_version.npy
+                           the same for every candidate item (item-side inputs of its latest row)
+        items.faiss, index.json    the retrieval index over ``items.npy`` (:mod:`transfer.index`)
+
+Publishing: everything is written into a hidden temp dir under the store, fsynced, renamed to
+``v{N:06d}`` (one atomic step; readers never see a partial version) and only then is ``LATEST``
+replaced. A killed export leaves at most a hidden temp dir (removed by the next export) or a complete
+version that ``LATEST`` does not point to yet. Versions are immutable, so a reader holding version v
+keeps reading it while v+1 is published.
+
+Incremental refresh (``since=N``): a user's vector is copied from version N when the fingerprint of its
+latest row (history, user features, dense features, domain and timestamp: every input a user tower can
+see) is unchanged, and recomputed otherwise; items likewise with their item-side inputs. The model
+cost thus scales with the changed entities; finding them still scans the id columns of the data.
+
+Retention (``retention=K``): after a publish, the newest K versions are kept and older ones deleted;
+``LATEST`` is never deleted. Parents are *not* protected: every version is self-contained (copied
+vectors are stored, not linked), so deleting a parent never breaks a child; lineage stays in the
+manifests and MLflow. A deleted version is first renamed to a hidden name, so it vanishes atomically;
+readers that already memory-mapped it keep their (POSIX) mapping.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pyarrow as pa
+import torch
+
+from foundation.data.io import atomic_write_text, fsync_dir, iter_valid_row_groups, list_shards, open_shard
+from foundation.data.pipeline import RowBlock, build_batch, table_to_block
+from foundation.data.schema import HISTORY_FIELDS, SCHEMA_FILE, EventSchema
+from foundation.train import RecModule, load_module, sha256_file
+from transfer.index import INDEX_FILE, INDEX_META_FILE, ItemIndex, build_index, load_index, save_index
+from transfer.teacher_outputs import teacher_run_id
+
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "LATEST"
+FORMAT_VERSION = 1
+VERSION_RE = re.compile(r"^v(\d{6})$")
+SIDES = ("user", "item")
+KEY_COLUMN = {"user": "user_id", "item": "item_id"}
+REPR = {"user": "user_repr", "item": "item_repr"}
+ARRAY_NAMES = {side: {"vectors": f"{side}s", "ids": f"{side}_ids", "timestamps": f"{side}_timestamps",
+                      "fingerprints": f"{side}_fingerprints", "updated_version": f"{side}_updated_version"}
+               for side in SIDES}
+# splitmix64 finaliser constants: cheap, well-mixed 64-bit hashing in vectorised numpy.
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+class StoreError(ValueError):
+    """An embedding store or version that cannot be used: missing, corrupt, or incompatible."""
+
+
+def version_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def list_versions(store_root: str | Path) -> list[int]:
+    """Published versions, ascending (hidden temp and trash dirs are not versions)."""
+    root = Path(store_root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := VERSION_RE.match(p.name)) and p.is_dir())
+
+
+def latest_version(store_root: str | Path) -> int | None:
+    path = Path(store_root) / LATEST_FILE
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if not (m := VERSION_RE.match(text)):
+        raise StoreError(f"{path}: not a version name: {text!r}")
+    return int(m.group(1))
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+@dataclass
+class EmbeddingStore:
+    """One verified store version; arrays are read-only memory maps.
+
+    ``users``/``items`` are ``[U, d]``/``[I, d]`` float32 with ids ``user_ids[U]``/``item_ids[I]``
+    (sorted); freshness arrays as in the module doc.
+    """
+
+    path: Path
+    manifest: dict
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def version(self) -> int:
+        return self.manifest["version"]
+
+    def side(self, side: str, key: str) -> np.ndarray:
+        return self.arrays[ARRAY_NAMES[side][key]]
+
+    def _lookup(self, side: str, ids) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        known, vectors = self.side(side, "ids"), self.side(side, "vectors")
+        rows = np.minimum(np.searchsorted(known, ids), max(len(known) - 1, 0))
+        found = known[rows] == ids if len(known) else np.zeros(len(ids), bool)
+        out = np.zeros((len(ids), vectors.shape[1]), np.float32)
+        out[found] = vectors[rows[found]]
+        return out, found
+
+    def lookup_users(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """``ids[B]`` -> ``(vectors[B, d] float32, found[B] bool)``; unknown users get zero vectors."""
+        return self._lookup("user", ids)
+
+    def lookup_items(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """``ids[B]`` -> ``(vectors[B, d] float32, found[B] bool)``; unknown items get zero vectors."""
+        return self._lookup("item", ids)
+
+    def index(self) -> ItemIndex:
+        """The version's retrieval index (verified with the version at open)."""
+        if self.manifest.get("index") is None:
+            raise StoreError(f"{self.path}: this version was exported without a retrieval index")
+        return load_index(self.path)
+
+
+def open_store(store_root: str | Path, version: int | None = None, *, verify: bool = True) -> EmbeddingStore:
+    """Open ``version`` (default: ``LATEST``), check every file against the manifest, memory-map the arrays.
+
+    A missing, resized or modified file raises :class:`StoreError` naming it. ``verify=False`` skips the
+    sha256 pass (sizes are still checked) for stores too large to hash at every open.
+    """
+    root = Path(store_root)
+    version = latest_version(root) if version is None else version
+    if version is None:
+        raise StoreError(f"{root}: no {LATEST_FILE}; no version has been published")
+    path = root / version_name(version)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise StoreError(f"{path}: version {version} not found (deleted by retention, or never published)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("version") != version:
+        raise StoreError(f"{manifest_path}: not a format-{FORMAT_VERSION} manifest of version {version}")
+    for name, entry in manifest["files"].items():
+        _verify_file(path / name, entry, verify)
+    arrays = {
+        name.removesuffix(".npy"): np.load(path / name, mmap_mode="r", allow_pickle=False)
+        for name in manifest["files"]
+        if name.endswith(".npy")
+    }
+    return EmbeddingStore(path, manifest, arrays)
+
+
+def _verify_file(path: Path, entry: dict, check_sha: bool) -> None:
+    if not path.is_file():
+        raise StoreError(f"{path}: listed in the manifest but missing")
+    if path.stat().st_size != entry["bytes"]:
+        raise StoreError(f"{path}: {path.stat().st_size} bytes, manifest says {entry['bytes']}: truncated or modified")
+    if check_sha and (actual := sha256_file(path)) != entry["sha256"]:
+        raise StoreError(
+            f"{path}: checksum mismatch (manifest {entry['sha256'][:12]}…, file {actual[:12]}…): corrupt or modified"
+        )
+
+
+# -- selecting each entity's latest row -----------------------------------------------------------
+
+
+@dataclass
+class Latest:
+    """Each user's and item's latest row across the splits, as blocks in ascending id order."""
+
+    blocks: dict[str, RowBlock]
+
+    def ids(self, side: str) -> np.ndarray:
+        return self.blocks[side].scalars[KEY_COLUMN[side]]
+
+
+def _scan_keys(units: list[tuple[Path, int]], schema: EventSchema) -> dict[str, np.ndarray]:
+    """Id columns of every row: ``user_id, item_id, timestamp, example_id`` plus ``unit``/``row`` positions."""
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("user_id", "item_id", "timestamp", "example_id", "unit", "row")}
+    files = {}
+    for u, (path, rg) in enumerate(units):
+        pf = files.setdefault(path, open_shard(path, schema))
+        table = pf.read_row_group(rg, columns=["user_id", "item_id", "timestamp", "example_id"])
+        for name in ("user_id", "item_id", "timestamp", "example_id"):
+            cols[name].append(table.column(name).to_numpy().astype(np.int64))
+        cols["unit"].append(np.full(table.num_rows, u, np.int64))
+        cols["row"].append(np.arange(table.num_rows, dtype=np.int64))
+    return {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+
+
+def _latest_rows(keys: np.ndarray, timestamp: np.ndarray, example_id: np.ndarray) -> np.ndarray:
+    """Index of each key's row with the max ``(timestamp, example_id)``, in ascending key order."""
+    order = np.lexsort((example_id, timestamp, keys))
+    sorted_keys = keys[order]
+    last = np.append(sorted_keys[1:] != sorted_keys[:-1], True) if len(order) else np.zeros(0, bool)
+    return order[last]
+
+
+def select_latest(dataset_dir: Path, splits: tuple[str, ...], schema: EventSchema) -> Latest:
+    """Find each user's and item's latest row (one id-column pass), then read only the row groups holding them."""
+    units = [(p, rg) for s in splits for p in list_shards(dataset_dir, s) for rg in range(open_shard(p, schema).num_row_groups)]
+    keys = _scan_keys(units, schema)
+    picked = {side: _latest_rows(keys[KEY_COLUMN[side]], keys["timestamp"], keys["example_id"]) for side in SIDES}
+    needed = np.unique(np.concatenate(list(picked.values())))
+    tables = []
+    # Global row indices follow unit order, so the sorted ``needed`` splits into one run per unit.
+    for chunk in np.split(needed, np.flatnonzero(np.diff(keys["unit"][needed])) + 1):
+        if not len(chunk):
+            continue
+        path, rg = units[keys["unit"][chunk[0]]]
+        # policy "error": a quarantined latest row would silently serve an older history.
+        ((_, table),) = iter_valid_row_groups(path, schema, policy="error", row_groups=[rg])
+        tables.append(table.take(pa.array(keys["row"][chunk])))
+    rows = pa.concat_tables(tables) if tables else schema.arrow_schema().empty_table()
+    # ``needed`` is sorted and the tables follow it, so a global row index maps to its rank in ``needed``.
+    return Latest({side: table_to_block(rows.take(pa.array(np.searchsorted(needed, picked[side]))), schema) for side in SIDES})
+
+
+# -- fingerprints ---------------------------------------------------------------------------------
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _jagged_hash(offsets: np.ndarray, values: np.ndarray, salt: int) -> np.ndarray:
+    """``[n]`` uint64 hash of each row of a jagged column: position-aware, order-sensitive, length-aware."""
+    lengths = np.diff(offsets)
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    pos = (np.arange(len(values)) - offsets[row]).astype(np.uint64)
+    bits = values.view(np.uint32) if values.dtype == np.float32 else values.astype(np.int64)
+    h = _mix(bits.astype(np.uint64) ^ _mix(pos + np.uint64(salt)))
+    # Segment sums through a wrapping cumsum: differences stay exact modulo 2**64.
+    csum = np.concatenate(([np.uint64(0)], np.cumsum(h, dtype=np.uint64)))
+    return _mix(csum[offsets[1:]] - csum[offsets[:-1]] + _mix(lengths.astype(np.uint64) + np.uint64(salt)))
+
+
+def fingerprints(block: RowBlock, schema: EventSchema, side: str) -> np.ndarray:
+    """``[n]`` uint64 hash of the inputs a ``side`` tower may read in each row (module doc); collisions ~2**-64."""
+    if side == "user":
+        jagged = [*HISTORY_FIELDS, *(f.name for f in schema.user_features)]
+        scalars = ["user_id", "domain", "timestamp"]
+    else:
+        jagged = [f.name for f in schema.item_features]
+        scalars = ["item_id", "domain"]
+    n = block.num_rows
+    parts = [_jagged_hash(*block.jagged[name], salt=i) for i, name in enumerate(jagged)]
+    parts += [_mix(block.scalars[c].astype(np.uint64) + np.uint64(100 + i)) for i, c in enumerate(scalars)]
+    if side == "user" and block.dense.shape[1]:
+        width = block.dense.shape[1]
+        parts.append(_jagged_hash(np.arange(n + 1) * width, np.ascontiguousarray(block.dense).reshape(-1), salt=200))
+    h = np.zeros(n, np.uint64)
+    for p in parts:
+        h = _mix(h ^ p)
+    return h
+
+
+# -- computing ------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def embed_rows(module: RecModule, block: RowBlock, rows: np.ndarray, side: str, batch_size: int, device: str) -> np.ndarray:
+    """``[len(rows), d]`` float32 ``user_repr`` or ``item_repr`` of ``block``'s ``rows``, ``batch_size`` rows per forward."""
+    out = []
+    for lo in range(0, len(rows), batch_size):
+        batch = build_batch([(block, rows[lo : lo + batch_size])], module.schema, module.cfg.data.max_len, None)
+        vectors = getattr(module.model(batch.to(device)), REPR[side])
+        if vectors is None:
+            raise StoreError(f"model {module.cfg.model.arch!r} has no {REPR[side]} to export")
+        out.append(vectors.float().cpu().numpy())
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+def refresh_side(
+    module: RecModule, latest: Latest, side: str, parent: EmbeddingStore | None, version: int, batch_size: int, device: str
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Arrays of one side for ``version``: rows whose fingerprint matches ``parent`` are copied, others computed.
+
+    Returns ``(arrays by key, {"recomputed", "copied"})``; with no parent every row is computed.
+    """
+    block, ids = latest.blocks[side], latest.ids(side)
+    prints = fingerprints(block, module.schema, side)
+    same, pos = _unchanged(parent, side, ids, prints)
+    computed = embed_rows(module, block, np.flatnonzero(~same), side, batch_size, device)
+    dims = computed.shape[1] if len(computed) else (parent.side(side, "vectors").shape[1] if parent else 0)
+    if parent is not None and parent.side(side, "vectors").shape[1] != dims:
+        raise StoreError(f"{parent.path}: {side} vectors have d={parent.side(side, 'vectors').shape[1]}, the model gives d={dims}")
+    vectors = np.zeros((len(ids), dims), np.float32)
+    if len(computed):
+        vectors[~same] = computed
+    updated = np.full(len(ids), version, np.int64)
+    if same.any():
+        vectors[same] = parent.side(side, "vectors")[pos[same]]
+        updated[same] = parent.side(side, "updated_version")[pos[same]]
+    arrays = {"vectors": vectors, "ids": ids, "timestamps": block.scalars["timestamp"], "fingerprints": prints,
+              "updated_version": updated}
+    return arrays, {"recomputed": int((~same).sum()), "copied": int(same.sum())}
+
+
+def _unchanged(parent: EmbeddingStore | None, side: str, ids: np.ndarray, prints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(same[n], pos[n])``: whether each id has the same fingerprint in ``parent``, and its row there."""
+    old_ids = parent.side(side, "ids") if parent is not None else np.zeros(0, np.int64)
+    if not len(old_ids):
+        return np.zeros(len(ids), bool), np.zeros(len(ids), np.int64)
+    pos = np.minimum(np.searchsorted(old_ids, ids), len(old_ids) - 1)
+    return (old_ids[pos] == ids) & (parent.side(side, "fingerprints")[pos] == prints), pos
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _writer_lock(root: Path):
+    """One exporter per store; the kernel drops the lock if its holder is killed."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_leftovers(root: Path) -> None:
+    # Under the writer lock, any hidden temp or trash dir belongs to a killed exporter.
+    for p in root.iterdir():
+        if p.is_dir() and (p.name.startswith(".tmp-") or p.name.startswith(".trash-")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _save_array(directory: Path, name: str, array: np.ndarray) -> None:
+    with open(directory / f"{name}.npy", "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_entries(directory: Path) -> dict[str, dict]:
+    return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(directory.iterdir())}
+
+
+def _publish(root: Path, tmp: Path, version: int) -> Path:
+    """Rename the finished temp dir to its version name, then point ``LATEST`` at it."""
+    fsync_dir(tmp)
+    final = root / version_name(version)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    atomic_write_text(root / LATEST_FILE, version_name(version) + "\n")
+    return final
+
+
+def apply_retention(store_root: str | Path, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` versions, never ``LATEST``; returns the deleted versions."""
+    if keep < 1:
+        raise ValueError(f"retention must keep at least 1 version, got {keep}")
+    root = Path(store_root)
+    latest = latest_version(root)
+    doomed = [v for v in list_versions(root)[:-keep] if v != latest]
+    for v in doomed:
+        trash = root / f".trash-{version_name(v)}"
+        os.rename(root / version_name(v), trash)
+        shutil.rmtree(trash)
+    if doomed:
+        fsync_dir(root)
+    return doomed
+
+
+def _base_manifest(ckpt_path: Path, module: RecModule, dataset_dir: Path, splits: tuple[str, ...]) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "teacher": {
+            "checkpoint": str(ckpt_path.resolve()),
+            "checkpoint_sha256": sha256_file(ckpt_path),
+            "mlflow_run_id": teacher_run_id(ckpt_path),
+            "arch": module.cfg.model.arch,
+            "flavor": module.cfg.name,
+        },
+        "source": {"dataset": str(dataset_dir), "splits": list(splits), "schema_sha256": sha256_file(dataset_dir / SCHEMA_FILE)},
+        "max_len": module.cfg.data.max_len,
+    }
+
+
+def _check_parent(parent: EmbeddingStore, manifest: dict) -> None:
+    """An incremental refresh may only reuse vectors computed by the same model on the same inputs."""
+    for key, now, then in (
+        ("checkpoint sha256", manifest["teacher"]["checkpoint_sha256"], parent.manifest["teacher"]["checkpoint_sha256"]),
+        ("max_len", manifest["max_len"], parent.manifest["max_len"]),
+    ):
+        if now != then:
+            raise StoreError(f"{parent.path}: {key} {then!r} differs from this export's {now!r}; run a full export")
+
+
+def export_embeddings(
+    ckpt_path: str | Path,
+    dataset_dir: str | Path,
+    store_root: str | Path,
+    *,
+    splits: tuple[str, ...] = ("train", "valid", "test"),
+    since: int | None = None,
+    retention: int | None = None,
+    tracking_uri: str | None = None,
+    index_factory: str | None = None,
+    build_retrieval_index: bool = True,
+    batch_size: int | None = None,
+    device: str | None = None,
+) -> dict:
+    """Compute and publish a new store version (module doc); ``since`` makes it an incremental refresh.
+
+    Returns ``{"version", "path", "parent", "mode", "users", "items", "users_recomputed",
+    "users_copied", "items_recomputed", "items_copied", "deleted", "manifest"}`` (+ ``"run_id"`` with
+    ``tracking_uri``).
+    """
+    ckpt_path, dataset_dir, root = Path(ckpt_path), Path(dataset_dir).resolve(), Path(store_root)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    module = load_module(ckpt_path).to(device)
+    batch_size = batch_size or module.cfg.data.batch_size
+    manifest = _base_manifest(ckpt_path, module, dataset_dir, tuple(splits))
+    with _writer_lock(root):
+        _remove_leftovers(root)
+        parent = open_store(root, since) if since is not None else None
+        if parent is not None:
+            _check_parent(parent, manifest)
+        version = max(list_versions(root), default=0) + 1
+        latest = select_latest(dataset_dir, tuple(splits), module.schema)
+        sides = {side: refresh_side(module, latest, side, parent, version, batch_size, device) for side in SIDES}
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version_name(version)}-", dir=root))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a published version is for every reader
+        for side, (arrays, _) in sides.items():
+            for key, array in arrays.items():
+                _save_array(tmp, ARRAY_NAMES[side][key], array)
+        index_meta = None
+        if build_retrieval_index and len(latest.ids("item")):
+            item_index = build_index(sides["item"][0]["vectors"], latest.ids("item"), factory=index_factory)
+            save_index(item_index, tmp)
+            index_meta = {"file": INDEX_FILE, "meta": INDEX_META_FILE, **vars(item_index.meta)}
+        manifest.update(
+            version=version,
+            parent=since,
+            mode="incremental" if since is not None else "full",
+            created_at=datetime.now(timezone.utc).isoformat(),
+            dims={side: int(sides[side][0]["vectors"].shape[1]) for side in SIDES},
+            rows={side: len(latest.ids(side)) for side in SIDES},
+            refresh={f"{side}s_{k}": v for side in SIDES for k, v in sides[side][1].items()},
+            index=index_meta,
+            files=_file_entries(tmp),
+        )
+        atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
+        path = _publish(root, tmp, version)
+        deleted = apply_retention(root, retention) if retention is not None else []
+    report = {"version": version, "path": str(path), "parent": since, "mode": manifest["mode"],
+              "users": manifest["rows"]["user"], "items": manifest["rows"]["item"], **manifest["refresh"],
+              "deleted": deleted, "manifest": manifest}
+    if tracking_uri:
+        report["run_id"] = log_to_mlflow(report, tracking_uri)
+    return report
+
+
+def log_to_mlflow(report: dict, tracking_uri: str, experiment: str = "gem") -> str:
+    """Record a published version as an MLflow run; tags carry lineage (teacher run, checkpoint, version)."""
+    manifest = report["manifest"]
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name=f"export-{version_name(report['version'])}") as run:
+        mlflow.set_tags(
+            {
+                "gem.stage": "export",
+                "gem.teacher_run_id": manifest["teacher"]["mlflow_run_id"] or "",
+                "gem.checkpoint_sha256": manifest["teacher"]["checkpoint_sha256"],
+                "gem.export_version": str(report["version"]),
+                "gem.export_parent": "" if report["parent"] is None else str(report["parent"]),
+            }
+        )
+        mlflow.log_params({"version": report["version"], "parent": report["parent"], "mode": report["mode"],
+                           "store": str(Path(report["path"]).parent), "splits": ",".join(manifest["source"]["splits"])})
+        mlflow.log_metrics({k: float(report[k]) for k in ("users", "items", "users_recomputed", "users_copied",
+                                                           "items_recomputed", "items_copied")})
+        mlflow.log_dict(manifest, MANIFEST_FILE)
+        return run.info.run_id

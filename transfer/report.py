@@ -1,0 +1,280 @@
+"""Transfer report: how much of a teacher's gain each transfer method carries into a student.
+
+``gem transfer-report --ckpt TEACHER.ckpt --out DIR`` runs, in order:
+
+1. teacher outputs for the students' train, validation and test splits, under ``DIR/teacher_outputs/<split>``
+   (:func:`transfer.teacher_outputs.write_teacher_outputs`; finished shards are reused on a rerun);
+2. one student per method (:data:`experiments.flavors.STUDENT_METHODS`) and seed, trained through the
+   harness (:func:`foundation.train.train`) with ``transfer.teacher_outputs`` pointing at those outputs;
+   ``alone`` gets none: it is the no-transfer baseline;
+3. NE and AUC per task, overall and per domain, on the test split, for the teacher and every student;
+4. per method and seed, the transfer ratio of each NE (DESIGN.md), against ``alone`` of the same seed::
+
+       TR = (NE_alone − NE_method) / (NE_alone − NE_teacher)
+
+   then mean and spread (sample std; 0 for one seed) over seeds. TR is NaN where the teacher's NE
+   equals the baseline's (no gain to transfer).
+
+The results go to ``DIR/transfer_report.json``, ``transfer_report.md`` and ``transfer_report.png``, which
+are also MLflow artifacts of a ``transfer_report`` run tagged with the teacher's run id and checkpoint.
+
+Staleness (ExFM's setting, a teacher trained on an earlier window than its students): train the teacher
+on ``train`` and pass ``student_split="valid"`` (``--student-split valid``): the students then train on
+the later window ``valid``, with teacher outputs computed for it, validate and test on ``test``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+
+from experiments.flavors import STUDENT_METHODS, get_flavor, repr_overrides
+from foundation.config import ExperimentConfig, TransferConfig, apply_overrides
+from foundation.data.io import atomic_write_text
+from foundation.data.schema import TASKS
+from foundation.train import evaluate, load_module, tracking_uri, train
+from transfer.teacher_outputs import OutputSchema, write_teacher_outputs
+
+BASELINE = "alone"
+REPORT_JSON = "transfer_report.json"
+REPORT_MD = "transfer_report.md"
+REPORT_PNG = "transfer_report.png"
+# The test-set metrics the report keeps: ``{task}/ne``, ``{task}/auc`` and their ``/d{k}`` per domain.
+_METRIC_KEY = re.compile(rf"^(?:{'|'.join(TASKS)})/(ne|auc)(?:/d\d+)?$")
+
+
+@dataclass
+class ReportConfig:
+    """What :func:`run_transfer_report` compares.
+
+    ``data_path`` defaults to the teacher's dataset; ``flavor`` is a student flavor and ``overrides``
+    apply to it (e.g. ``train.max_steps=50``); ``methods`` are keys of ``STUDENT_METHODS`` (``alone``,
+    the baseline, is always run); ``student_split`` is the split the students train on.
+    """
+
+    teacher_ckpt: str
+    out_dir: str
+    data_path: str = ""
+    flavor: str = "student-debug"
+    methods: tuple[str, ...] = tuple(STUDENT_METHODS)
+    seeds: int = 2
+    student_split: str = "train"
+    rows_per_shard: int = 65536
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in STUDENT_METHODS]
+        if unknown:
+            raise ValueError(f"unknown transfer methods {unknown}; known: {sorted(STUDENT_METHODS)}")
+        if self.seeds < 1:
+            raise ValueError(f"seeds must be at least 1, got {self.seeds}")
+        self.methods = (BASELINE, *(m for m in self.methods if m != BASELINE))
+
+
+def student_base(cfg: ReportConfig, data_path: str) -> ExperimentConfig:
+    """The student flavor with the report's overrides, on ``data_path``, training on ``student_split``.
+
+    Validation uses the flavor's eval split, or the test split when the students train on that one.
+    """
+    base = apply_overrides(get_flavor(cfg.flavor), list(cfg.overrides))
+    base.data.path = data_path
+    base.train.out_dir = str(Path(cfg.out_dir) / "students")
+    if cfg.student_split == base.data.eval_split:
+        base.data.eval_split = base.data.test_split
+    base.data.train_split = cfg.student_split
+    return base
+
+
+def student_splits(base: ExperimentConfig) -> tuple[str, ...]:
+    """The splits a student reads: train, validation and test, each once."""
+    return tuple(dict.fromkeys((base.data.train_split, base.data.eval_split, base.data.test_split)))
+
+
+def write_split_outputs(cfg: ReportConfig, data_path: str, splits: tuple[str, ...], uri: str) -> tuple[dict[str, str], dict]:
+    """Teacher outputs of every split under ``out_dir/teacher_outputs/<split>``: ``(split -> dir, a manifest)``.
+
+    All splits come from the same checkpoint, so any one manifest gives the teacher and the output schema.
+    """
+    dirs, manifest = {}, {}
+    for split in splits:
+        out = Path(cfg.out_dir) / "teacher_outputs" / split
+        stats = write_teacher_outputs(
+            cfg.teacher_ckpt, data_path, split, out, rows_per_shard=cfg.rows_per_shard, progress=False, tracking_uri=uri
+        )
+        dirs[split], manifest = str(out), stats["manifest"]
+    return dirs, manifest
+
+
+def student_config(base: ExperimentConfig, method: str, seed: int, dirs: dict[str, str], manifest: dict) -> ExperimentConfig:
+    """``base`` with ``method`` on, seeded; every method but ``alone`` reads the teacher outputs ``dirs``."""
+    cfg = apply_overrides(copy.deepcopy(base), list(STUDENT_METHODS[method]))
+    if cfg.model.student.teacher_repr:
+        schema = OutputSchema.from_dict(manifest["schema"])
+        apply_overrides(cfg, list(repr_overrides(schema.user_repr_dim or 0, schema.item_repr_dim or 0)))
+    cfg.name = f"{base.name}-{method}-s{seed}"
+    cfg.train.seed = cfg.data.seed = seed
+    if method != BASELINE:
+        cfg.transfer = TransferConfig(teacher_outputs=dict(dirs), checkpoint_sha256=manifest["teacher"]["checkpoint_sha256"])
+    return cfg
+
+
+def split_metrics(ckpt: str, split: str, data_path: str | None = None) -> dict[str, float]:
+    """NE and AUC per task, overall and per domain, of a checkpoint on ``split``."""
+    metrics = evaluate(ckpt, split, data_path=data_path)["metrics"]
+    return {k: v for k, v in metrics.items() if _METRIC_KEY.match(k)}
+
+
+def transfer_ratios(method: dict[str, float], alone: dict[str, float], teacher: dict[str, float]) -> dict[str, float]:
+    """TR per NE key (``click/ne`` -> ``click``, ``click/ne/d0`` -> ``click/d0``); NaN where the teacher gains nothing."""
+    out = {}
+    for key, ne in method.items():
+        task, metric, *domain = key.split("/")
+        if metric != "ne" or key not in teacher:
+            continue
+        gain = alone[key] - teacher[key]
+        out["/".join([task, *domain])] = (alone[key] - ne) / gain if gain != 0 else float("nan")
+    return out
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """``{"mean", "std"}`` over seeds; the sample std, 0 for a single seed."""
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0}
+
+
+def summarize_method(per_seed: list[dict[str, float]], alone: list[dict[str, float]], teacher: dict[str, float]) -> dict:
+    """``{"ne": {key: spread}, "auc": {...}, "tr": {key: spread + per_seed}}`` of one method's seeds."""
+    ratios = [transfer_ratios(m, a, teacher) for m, a in zip(per_seed, alone, strict=True)]
+    summary: dict[str, dict] = {"ne": {}, "auc": {}, "tr": {}}
+    for key in per_seed[0]:
+        task, metric, *domain = key.split("/")
+        summary[metric]["/".join([task, *domain])] = spread([m[key] for m in per_seed])
+    for key in ratios[0]:
+        values = [r[key] for r in ratios]
+        summary["tr"][key] = {**spread(values), "per_seed": values}
+    return summary
+
+
+def _cell(stat: dict[str, float]) -> str:
+    return f"{stat['mean']:.4f} ± {stat['std']:.4f}"
+
+
+def format_markdown(report: dict) -> str:
+    """A table per task: teacher and methods, with NE, AUC and TR (mean ± std over seeds), overall."""
+    teacher = report["teacher"]["metrics"]
+    lines = [f"# Transfer report ({len(report['seeds'])} seeds, test split `{report['test_split']}`)", ""]
+    for task in TASKS:
+        if f"{task}/ne" not in teacher:
+            continue
+        lines += [f"## {task}", "", "| model | NE | AUC | TR |", "| --- | --- | --- | --- |"]
+        lines.append(f"| teacher | {teacher[f'{task}/ne']:.4f} | {teacher[f'{task}/auc']:.4f} | 1 |")
+        for name, m in report["methods"].items():
+            lines.append(f"| {name} | {_cell(m['ne'][task])} | {_cell(m['auc'][task])} | {_cell(m['tr'][task])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_ratios(report: dict, path: Path) -> None:
+    """Bar chart of TR (mean, std error bars) per method and task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in report["methods"] if m != BASELINE]
+    tasks = [t for t in TASKS if t in report["methods"][BASELINE]["tr"]]
+    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(methods), 3.5))
+    width = 0.8 / max(len(tasks), 1)
+    for i, task in enumerate(tasks):
+        stats = [report["methods"][m]["tr"][task] for m in methods]
+        x = np.arange(len(methods)) + i * width
+        ax.bar(x, [s["mean"] for s in stats], width, yerr=[s["std"] for s in stats], label=task, capsize=3)
+    ax.set_xticks(np.arange(len(methods)) + width * (len(tasks) - 1) / 2, methods)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_ylabel("transfer ratio (ΔNE student / ΔNE teacher)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train_students(cfg: ReportConfig, base: ExperimentConfig, dirs: dict[str, str], manifest: dict) -> dict[str, list[dict]]:
+    """Method -> per seed ``{"run_id", "checkpoint", "metrics"}`` with test-split NE/AUC."""
+    runs: dict[str, list[dict]] = {m: [] for m in cfg.methods}
+    for seed in range(cfg.seeds):
+        for method in cfg.methods:
+            trained = train(student_config(base, method, seed, dirs, manifest))
+            metrics = split_metrics(trained["checkpoint"], base.data.test_split)
+            runs[method].append({"run_id": trained["run_id"], "checkpoint": trained["checkpoint"], "metrics": metrics})
+    return runs
+
+
+def build_report(cfg: ReportConfig, base: ExperimentConfig, manifest: dict, teacher: dict, runs: dict[str, list[dict]]) -> dict:
+    """The JSON report: inputs by reference, the teacher's test metrics, per method NE/AUC/TR, runs and checkpoints."""
+    alone = [r["metrics"] for r in runs[BASELINE]]
+    return {
+        "teacher": {
+            "checkpoint": str(Path(cfg.teacher_ckpt).resolve()),
+            "checkpoint_sha256": manifest["teacher"]["checkpoint_sha256"],
+            "run_id": manifest["teacher"]["mlflow_run_id"],
+            "metrics": teacher,
+        },
+        "dataset": base.data.path,
+        "student_flavor": base.name,
+        "student_split": base.data.train_split,
+        "test_split": base.data.test_split,
+        "seeds": list(range(cfg.seeds)),
+        "methods": {
+            m: {
+                **summarize_method([r["metrics"] for r in rs], alone, teacher),
+                "runs": [r["run_id"] for r in rs],
+                "checkpoints": [r["checkpoint"] for r in rs],
+            }
+            for m, rs in runs.items()
+        },
+    }
+
+
+def log_report(report: dict, files: list[Path], uri: str, experiment: str) -> str:
+    """An MLflow ``transfer_report`` run with the files as artifacts and TR means as metrics."""
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name="transfer-report") as run:
+        mlflow.set_tags(
+            {
+                "gem.stage": "transfer_report",
+                "gem.teacher_run_id": report["teacher"]["run_id"] or "",
+                "gem.checkpoint_sha256": report["teacher"]["checkpoint_sha256"],
+                "gem.dataset": report["dataset"],
+            }
+        )
+        for method, summary in report["methods"].items():
+            tr = {f"tr/{method}/{k}": v["mean"] for k, v in summary["tr"].items() if np.isfinite(v["mean"])}
+            mlflow.log_metrics(tr)
+        for path in files:
+            mlflow.log_artifact(str(path))
+        return run.info.run_id
+
+
+def run_transfer_report(cfg: ReportConfig) -> Path:
+    """Run the whole comparison (module doc) and return the path of ``transfer_report.json``."""
+    data_path = str(Path(cfg.data_path or load_module(cfg.teacher_ckpt).cfg.data.path).resolve())
+    base = student_base(cfg, data_path)
+    uri = tracking_uri(base)
+    dirs, manifest = write_split_outputs(cfg, data_path, student_splits(base), uri)
+    teacher = split_metrics(cfg.teacher_ckpt, base.data.test_split, data_path)
+    report = build_report(cfg, base, manifest, teacher, train_students(cfg, base, dirs, manifest))
+    out = Path(cfg.out_dir)
+    json_path, md_path, png_path = out / REPORT_JSON, out / REPORT_MD, out / REPORT_PNG
+    atomic_write_text(md_path, format_markdown(report))
+    plot_ratios(report, png_path)
+    atomic_write_text(json_path, json.dumps(report, indent=2, sort_keys=True))
+    report["mlflow_run_id"] = log_report(report, [json_path, md_path, png_path], uri, base.train.experiment)
+    atomic_write_text(json_path, json.dumps(report, indent=2, sort_keys=True))
+    return json_path
