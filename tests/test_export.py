@@ -171,17 +171,28 @@ KILL_SCRIPT = textwrap.dedent(
 )
 
 
+def wait_for_temp_dir(store: Path, timeout: float) -> bool:
+    """Poll until an exporter's hidden temp dir appears (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.name.startswith(".tmp-") for p in store.iterdir()):
+            return True
+    return False
+
+
 def test_sigkill_mid_export_never_leaves_a_visible_partial_version(teacher, tmp_path):
     dataset, ckpt, _ = teacher
     store = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    rng = np.random.default_rng(0)
-    for attempt in range(3):
+    mid_write = 0
+    for attempt, delay in enumerate((0.0, 0.003, 0.02)):
         proc = subprocess.Popen(
             [sys.executable, "-c", KILL_SCRIPT, str(ckpt), str(dataset), str(store)], env=env, stdout=subprocess.PIPE, text=True
         )
         assert proc.stdout.readline().strip() == "published", "the exporter died before its first publish"
-        time.sleep(rng.uniform(0.0, 0.3))
+        # Kill while a version is being written: once its hidden temp dir exists, after ``delay``.
+        mid_write += wait_for_temp_dir(store, timeout=10.0)
+        time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert proc.returncode == -signal.SIGKILL, attempt
@@ -189,7 +200,8 @@ def test_sigkill_mid_export_never_leaves_a_visible_partial_version(teacher, tmp_
             open_store(store, v)  # every visible version is whole and verifies
         assert open_store(store).version == latest_version(store)
         assert (store / LATEST_FILE).read_text().strip() == f"v{latest_version(store):06d}"
+    assert mid_write >= 2, "the kills did not land while a version was being written"
     # The next export cleans up whatever hidden temp dir the last kill left.
     export_embeddings(ckpt, dataset, store, splits=SPLITS, device="cpu", build_retrieval_index=False)
-    assert not [p for p in store.iterdir() if p.name.startswith((".tmp-", ".trash-"))]
+    assert not [p for p in store.iterdir() if p.name.startswith((".tmp-", ".trash-", ".LATEST."))]
     assert json.loads((store / f"v{latest_version(store):06d}" / "manifest.json").read_text())["mode"] == "full"

@@ -346,10 +346,12 @@ def _writer_lock(root: Path):
 
 
 def _remove_leftovers(root: Path) -> None:
-    # Under the writer lock, any hidden temp or trash dir belongs to a killed exporter.
+    # Under the writer lock, any hidden temp or trash dir (or LATEST temp file) belongs to a killed exporter.
     for p in root.iterdir():
-        if p.is_dir() and (p.name.startswith(".tmp-") or p.name.startswith(".trash-")):
+        if p.is_dir() and p.name.startswith((".tmp-", ".trash-")):
             shutil.rmtree(p, ignore_errors=True)
+        elif p.is_file() and p.name.startswith(f".{LATEST_FILE}.") and p.name.endswith(".tmp"):
+            p.unlink(missing_ok=True)
 
 
 def _save_array(directory: Path, name: str, array: np.ndarray) -> None:
@@ -371,6 +373,34 @@ def _publish(root: Path, tmp: Path, version: int) -> Path:
     fsync_dir(root)
     atomic_write_text(root / LATEST_FILE, version_name(version) + "\n")
     return final
+
+
+def _write_version(
+    root: Path, sides: dict[str, dict[str, np.ndarray]], manifest: dict, *, with_index: bool, index_factory: str | None
+) -> Path:
+    """Write a version's arrays, its item index (``with_index``) and manifest into a temp dir, then publish it.
+
+    ``manifest`` gains ``index`` and ``files``. On an error the temp dir is removed; on a kill it stays
+    hidden until the next export removes it.
+    """
+    version = manifest["version"]
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version_name(version)}-", dir=root))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a published version is for every reader
+        for side, arrays in sides.items():
+            for key, array in arrays.items():
+                _save_array(tmp, ARRAY_NAMES[side][key], array)
+        manifest["index"] = None
+        if with_index and len(sides["item"]["ids"]):
+            item_index = build_index(sides["item"]["vectors"], sides["item"]["ids"], factory=index_factory)
+            save_index(item_index, tmp)
+            manifest["index"] = {"file": INDEX_FILE, "meta": INDEX_META_FILE, **vars(item_index.meta)}
+        manifest["files"] = _file_entries(tmp)
+        atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
+        return _publish(root, tmp, version)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def apply_retention(store_root: str | Path, keep: int) -> list[int]:
@@ -447,16 +477,6 @@ def export_embeddings(
         version = max(list_versions(root), default=0) + 1
         latest = select_latest(dataset_dir, tuple(splits), module.schema)
         sides = {side: refresh_side(module, latest, side, parent, version, batch_size, device) for side in SIDES}
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version_name(version)}-", dir=root))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a published version is for every reader
-        for side, (arrays, _) in sides.items():
-            for key, array in arrays.items():
-                _save_array(tmp, ARRAY_NAMES[side][key], array)
-        index_meta = None
-        if build_retrieval_index and len(latest.ids("item")):
-            item_index = build_index(sides["item"][0]["vectors"], latest.ids("item"), factory=index_factory)
-            save_index(item_index, tmp)
-            index_meta = {"file": INDEX_FILE, "meta": INDEX_META_FILE, **vars(item_index.meta)}
         manifest.update(
             version=version,
             parent=since,
@@ -465,11 +485,9 @@ def export_embeddings(
             dims={side: int(sides[side][0]["vectors"].shape[1]) for side in SIDES},
             rows={side: len(latest.ids(side)) for side in SIDES},
             refresh={f"{side}s_{k}": v for side in SIDES for k, v in sides[side][1].items()},
-            index=index_meta,
-            files=_file_entries(tmp),
         )
-        atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
-        path = _publish(root, tmp, version)
+        arrays = {side: side_arrays for side, (side_arrays, _) in sides.items()}
+        path = _write_version(root, arrays, manifest, with_index=build_retrieval_index, index_factory=index_factory)
         deleted = apply_retention(root, retention) if retention is not None else []
     report = {"version": version, "path": str(path), "parent": since, "mode": manifest["mode"],
               "users": manifest["rows"]["user"], "items": manifest["rows"]["item"], **manifest["refresh"],
