@@ -120,6 +120,31 @@ def cmd_transfer_report(args: argparse.Namespace) -> None:
     print(run_transfer_report(cfg))
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from foundation.train import load_module, tracking_uri
+    from transfer.export import StoreError, export_embeddings
+
+    if not Path(args.ckpt).is_file():
+        raise CLIError(f"checkpoint not found: {args.ckpt}")
+    data = args.data or load_module(args.ckpt).cfg.data.path
+    try:
+        report = export_embeddings(
+            args.ckpt,
+            data,
+            args.store,
+            splits=tuple(s.strip() for s in args.splits.split(",") if s.strip()),
+            since=args.since,
+            retention=args.retention,
+            tracking_uri=tracking_uri(),
+            index_factory=args.index_factory,
+            build_retrieval_index=not args.no_index,
+        )
+    except StoreError as exc:
+        raise CLIError(str(exc)) from exc
+    print(json.dumps({k: v for k, v in report.items() if k != "manifest"}, indent=2, default=str))
+    _write_json(args.json, report)
+
+
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from experiments.quickstart import run_quickstart
 
@@ -184,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--rows-per-shard", type=int, default=65536)
     rep.add_argument("overrides", nargs="*", help="overrides of the student flavor, e.g. train.max_steps=100")
     rep.set_defaults(fn=cmd_transfer_report)
+
+    ex = sub.add_parser("export", help="publish a version of the user/item embedding store (+ FAISS index)")
+    ex.add_argument("--ckpt", required=True)
+    ex.add_argument("--data", help="dataset directory (default: the one the checkpoint was trained on)")
+    ex.add_argument("--store", required=True, help="store root (holds v000001/, ..., LATEST)")
+    ex.add_argument("--splits", default="train,valid,test")
+    ex.add_argument("--since", type=int, help="incremental refresh from this version")
+    ex.add_argument("--retention", type=int, help="keep the newest K versions (LATEST always kept)")
+    ex.add_argument("--index-factory", help="FAISS factory string (default: chosen by corpus size)")
+    ex.add_argument("--no-index", action="store_true")
+    ex.add_argument("--json")
+    ex.set_defaults(fn=cmd_export)
 
     qs = sub.add_parser("quickstart", help="synthetic data -> training -> evaluation, all in MLflow")
     qs.add_argument("--preset", default="default")

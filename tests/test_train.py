@@ -109,6 +109,8 @@ def test_eval_writes_json_and_cli_errors_are_clear(dataset, tmp_path, capsys):
         (["train", "--flavor", "debug", "train.lr=fast"], "cannot parse"),
         (["train", "--flavor", "debug", "data.path=/nonexistent"], "dataset '/nonexistent' not found"),
         (["eval", "--ckpt", "/nonexistent.ckpt"], "checkpoint not found"),
+        (["export", "--ckpt", "/nonexistent.ckpt", "--store", "store"], "checkpoint not found"),
+        (["teacher-outputs", "--ckpt", "/nonexistent.ckpt", "--out", "outputs"], "checkpoint not found"),
     ]:
         assert main(bad_args) == 2
         assert expected in capsys.readouterr().err

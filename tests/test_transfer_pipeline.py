@@ -51,6 +51,8 @@ def test_report_has_every_method_with_finite_ne_and_transfer_ratio(pipeline):
                 stat = method[section][key]
                 assert math.isfinite(stat["mean"]) and stat["std"] == 0.0, (name, section, key)
     assert report["methods"]["alone"]["tr"]["click"]["mean"] == 0.0
+    alone, teacher = report["methods"]["alone"]["ne"]["click"]["mean"], report["teacher"]["metrics"]["click/ne"]
+    assert report["teacher_gain"]["click"]["mean"] == pytest.approx(alone - teacher)
     assert report["teacher"]["checkpoint_sha256"] == pipeline["teacher"]["checkpoint_sha256"]
     assert "| kd |" in (pipeline["path"].parent / REPORT_MD).read_text()
 
@@ -96,3 +98,5 @@ def test_cli_validates_transfer_report_arguments(pipeline, tmp_path, capsys):
     args = ["transfer-report", "--ckpt", pipeline["teacher"]["checkpoint"], "--out", str(tmp_path), "--methods", "kd,nope"]
     assert main(args) == 2
     assert "unknown transfer methods ['nope']" in capsys.readouterr().err
+    assert main([*args[:-1], "kd", "--flavor", "student-debug-kd"]) == 2
+    assert "must be a student with no transfer on" in capsys.readouterr().err

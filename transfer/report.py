@@ -15,7 +15,8 @@
    then mean and spread (sample std; 0 for one seed) over seeds. TR is NaN where the teacher's NE
    equals the baseline's (no gain to transfer).
 
-The results go to ``DIR/transfer_report.json``, ``transfer_report.md`` and ``transfer_report.png``, which
+Students are trained afresh on every run; the teacher outputs are reused. The results go to
+``DIR/transfer_report.json``, ``transfer_report.md`` and ``transfer_report.png``, which
 are also MLflow artifacts of a ``transfer_report`` run tagged with the teacher's run id and checkpoint.
 
 Staleness (ExFM's setting, a teacher trained on an earlier window than its students): train the teacher
@@ -75,6 +76,16 @@ class ReportConfig:
         if self.seeds < 1:
             raise ValueError(f"seeds must be at least 1, got {self.seeds}")
         self.methods = (BASELINE, *(m for m in self.methods if m != BASELINE))
+        baseline_flavor(self.flavor, self.overrides)
+
+
+def baseline_flavor(flavor: str, overrides: tuple[str, ...]) -> ExperimentConfig:
+    """The student flavor with ``overrides``; it is the ``alone`` baseline, so no transfer may be on."""
+    cfg = apply_overrides(get_flavor(flavor), list(overrides))
+    student = cfg.model.student
+    if cfg.model.arch != "student" or student.distill != "none" or student.teacher_repr or cfg.transfer.teacher_outputs:
+        raise ValueError(f"flavor {flavor!r} must be a student with no transfer on (e.g. student-debug)")
+    return cfg
 
 
 def student_base(cfg: ReportConfig, data_path: str) -> ExperimentConfig:
@@ -82,7 +93,7 @@ def student_base(cfg: ReportConfig, data_path: str) -> ExperimentConfig:
 
     Validation uses the flavor's eval split, or the test split when the students train on that one.
     """
-    base = apply_overrides(get_flavor(cfg.flavor), list(cfg.overrides))
+    base = baseline_flavor(cfg.flavor, cfg.overrides)
     base.data.path = data_path
     base.train.out_dir = str(Path(cfg.out_dir) / "students")
     if cfg.student_split == base.data.eval_split:
@@ -117,7 +128,7 @@ def student_config(base: ExperimentConfig, method: str, seed: int, dirs: dict[st
     if cfg.model.student.teacher_repr:
         schema = OutputSchema.from_dict(manifest["schema"])
         apply_overrides(cfg, list(repr_overrides(schema.user_repr_dim or 0, schema.item_repr_dim or 0)))
-    cfg.name = f"{base.name}-{method}-s{seed}"
+    cfg.name = f"{base.name}-{method}-{base.data.train_split}-s{seed}"
     cfg.train.seed = cfg.data.seed = seed
     if method != BASELINE:
         cfg.transfer = TransferConfig(teacher_outputs=dict(dirs), checkpoint_sha256=manifest["teacher"]["checkpoint_sha256"])
@@ -148,6 +159,16 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0}
 
 
+def teacher_gain(alone: list[dict[str, float]], teacher: dict[str, float]) -> dict[str, dict[str, float]]:
+    """ΔNE_teacher = NE_alone − NE_teacher per NE key, over seeds; TR reads as a share only where it is > 0."""
+    gains: dict[str, dict[str, float]] = {}
+    for key, ne in teacher.items():
+        task, metric, *domain = key.split("/")
+        if metric == "ne":
+            gains["/".join([task, *domain])] = spread([a[key] - ne for a in alone])
+    return gains
+
+
 def summarize_method(per_seed: list[dict[str, float]], alone: list[dict[str, float]], teacher: dict[str, float]) -> dict:
     """``{"ne": {key: spread}, "auc": {...}, "tr": {key: spread + per_seed}}`` of one method's seeds."""
     ratios = [transfer_ratios(m, a, teacher) for m, a in zip(per_seed, alone, strict=True)]
@@ -176,8 +197,13 @@ def format_markdown(report: dict) -> str:
         lines.append(f"| teacher | {teacher[f'{task}/ne']:.4f} | {teacher[f'{task}/auc']:.4f} | 1 |")
         for name, m in report["methods"].items():
             lines.append(f"| {name} | {_cell(m['ne'][task])} | {_cell(m['auc'][task])} | {_cell(m['tr'][task])} |")
-        lines.append("")
+        gain = report["teacher_gain"][task]
+        lines += ["", f"Teacher gain ΔNE = NE_alone − NE_teacher: {_cell(gain)}" + _gain_note(gain["mean"]), ""]
     return "\n".join(lines)
+
+
+def _gain_note(gain: float) -> str:
+    return "" if gain > 0 else " (the teacher does not beat the student alone: TR is not a share of a gain)"
 
 
 def plot_ratios(report: dict, path: Path) -> None:
@@ -209,7 +235,7 @@ def train_students(cfg: ReportConfig, base: ExperimentConfig, dirs: dict[str, st
     runs: dict[str, list[dict]] = {m: [] for m in cfg.methods}
     for seed in range(cfg.seeds):
         for method in cfg.methods:
-            trained = train(student_config(base, method, seed, dirs, manifest))
+            trained = train(student_config(base, method, seed, dirs, manifest), resume=False)
             metrics = split_metrics(trained["checkpoint"], base.data.test_split)
             runs[method].append({"run_id": trained["run_id"], "checkpoint": trained["checkpoint"], "metrics": metrics})
     return runs
@@ -230,6 +256,7 @@ def build_report(cfg: ReportConfig, base: ExperimentConfig, manifest: dict, teac
         "student_split": base.data.train_split,
         "test_split": base.data.test_split,
         "seeds": list(range(cfg.seeds)),
+        "teacher_gain": teacher_gain(alone, teacher),
         "methods": {
             m: {
                 **summarize_method([r["metrics"] for r in rs], alone, teacher),
