@@ -32,7 +32,6 @@ import json
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save_file
 
@@ -43,6 +42,7 @@ from foundation.data.schema import SCHEMA_FILE, EventSchema
 from foundation.metrics import RankingMetrics, target_ranks
 from foundation.model.flops import peak_flops, throughput_metrics
 from foundation.model.teacher import GEMTeacher, build_teacher, teacher_flavor
+from foundation.train import valid_item_mask
 
 TARGETS = {
     "ml1m_hstu": {"hr@10": 0.3097, "ndcg@10": 0.1720},
@@ -65,17 +65,6 @@ def prepare_dataset(data: Path, out: Path) -> Path:
     raise FileNotFoundError(
         f"{data}: neither a dataset (schema.json) nor raw ML-1M ({', '.join(n for n, _ in RAW_FORMATS)})"
     )
-
-
-def valid_item_mask(dataset: Path, num_items: int) -> torch.Tensor | None:
-    """``[num_items]`` bool, True for ids that are items (the converter's ``item_ids.parquet``); None if absent."""
-    path = dataset / "item_ids.parquet"
-    if not path.is_file():
-        return None
-    mask = torch.zeros(num_items, dtype=torch.bool)
-    ids = pq.read_table(path, columns=["id"]).column("id").to_numpy()
-    mask[torch.as_tensor(ids.astype("int64", copy=True))] = True
-    return mask
 
 
 @torch.no_grad()

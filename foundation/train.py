@@ -34,7 +34,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from foundation.config import ExperimentConfig, experiment_from_dict
 from foundation.data.batch import BatchPosition, JaggedBatch
-from foundation.data.io import CorruptFileError, fsync_dir
+from foundation.data.io import CorruptFileError, atomic_path
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import BinaryMetrics, RankingMetrics
@@ -174,9 +174,9 @@ def valid_item_mask(dataset_dir: str | Path, num_items: int) -> torch.Tensor | N
         return None
     import pyarrow.parquet as pq
 
-    ids = torch.from_numpy(pq.read_table(path, columns=["id"]).column("id").to_numpy())
+    ids = pq.read_table(path, columns=["id"]).column("id").to_numpy()
     mask = torch.zeros(num_items, dtype=torch.bool)
-    mask[ids] = True
+    mask[torch.as_tensor(ids.astype("int64", copy=True))] = True
     return mask
 
 
@@ -311,15 +311,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Write checkpoints to a temp file, fsync, then rename: a kill never leaves a partial checkpoint."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        with atomic_path(path) as tmp:
+            torch.save(checkpoint, tmp)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         return load_checkpoint_file(path, map_location or "cpu")

@@ -22,7 +22,6 @@ Files::
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from foundation.data.io import atomic_write_text, fsync_dir
+from foundation.data.io import atomic_path, atomic_write_text
 
 INDEX_FILE = "items.faiss"
 INDEX_META_FILE = "index.json"
@@ -146,15 +145,8 @@ def save_index(item_index: ItemIndex, directory: str | Path) -> list[Path]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / INDEX_FILE
-    tmp = directory / f".{INDEX_FILE}.{os.getpid()}.tmp"
-    try:
+    with atomic_path(path) as tmp:
         faiss.write_index(item_index.index, str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(directory)
-    finally:
-        tmp.unlink(missing_ok=True)
     meta = atomic_write_text(directory / INDEX_META_FILE, json.dumps(asdict(item_index.meta), indent=2, sort_keys=True))
     return [path, meta]
 

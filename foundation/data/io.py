@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,41 +35,40 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_replace(tmp: Path, path: Path) -> Path:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return path
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside ``path`` to write; on a clean exit, fsync it and rename it over ``path``.
 
-
-def _tmp_beside(path: Path) -> Path:
+    Readers see the old file or the whole new one, never a part; on an error the temp file is removed
+    and ``path`` is untouched. Every file this project writes goes through here.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    return Path(name)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` so that readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    tmp = _tmp_beside(path)
-    try:
+    """Write ``text`` atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
         tmp.write_text(text)
-        return _atomic_replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return Path(path)
 
 
 def write_table(table: pa.Table, path: str | Path, *, row_group_size: int = 8192) -> Path:
-    """Atomically write one Parquet shard (temp file, fsync, rename)."""
-    path = Path(path)
-    tmp = _tmp_beside(path)
-    try:
+    """Atomically write one Parquet shard (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
-        return _atomic_replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return Path(path)
 
 
 def shard_path(dataset_dir: str | Path, split: str, shard: int) -> Path:

@@ -3,7 +3,6 @@ for a plain single-file export that any process can load without a process group
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -12,6 +11,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
+
+from foundation.data.io import atomic_path
 
 
 def gather_sharded_tensor(tensor: ShardedTensor) -> torch.Tensor:
@@ -49,9 +50,6 @@ def export_single_file(model: nn.Module, path: str | Path) -> None:
     full = gather_full_state_dict(model)
     path = Path(path)
     if dist.get_rank() == 0:
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
     dist.barrier()
