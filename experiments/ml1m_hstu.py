@@ -5,6 +5,7 @@ Usage::
     python -m experiments.ml1m_hstu --data ../shared/data/ml-1m --flavor ml1m_hstu --out runs/ml1m_hstu
     python -m experiments.ml1m_hstu --data ... --epochs 1 --max-steps 20      # a quick check
     python -m experiments.ml1m_hstu --data ... --time-budget 400              # stop within ~400 s
+    python -m experiments.ml1m_hstu --data ... num_negatives=512              # teacher config overrides
 
 On one H200 (2026-11-30) 100 epochs take about 2 min (``ml1m_hstu``) and 4 min
 (``ml1m_hstu_large``); the measured metrics are in ``docs/benchmarks.md`` ("GEM teacher").
@@ -19,8 +20,9 @@ epochs; the flavor supplies sampled softmax with 128 uniform negatives at temper
 L2-normalised embeddings. Leave-one-out evaluation ranks every item, with the user's (cut)
 history removed from the candidates.
 
-The loop is plain PyTorch because the Lightning harness does not yet build the teacher or rank
-next_item data; everything else (Parquet pipeline, metrics, FLOP counter) is the project's own.
+The loop is plain PyTorch (:mod:`experiments.loop`) so that it runs on a GPU machine without MLflow;
+``gem train --flavor ml1m_hstu`` trains the same model through the Lightning harness and ranks with
+the same metrics.
 Results go to ``<out>/results.json`` (rewritten after every evaluation, so an interrupted run
 keeps its last figures) and the weights to ``<out>/model.safetensors``.
 """
@@ -35,14 +37,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from experiments.loop import train_epoch
+from foundation.config import apply_overrides
 from foundation.data.converters import convert
 from foundation.data.io import atomic_write_text
-from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, valid_item_mask
 from foundation.data.schema import SCHEMA_FILE, EventSchema
 from foundation.metrics import RankingMetrics, target_ranks
-from foundation.model.flops import peak_flops, throughput_metrics
 from foundation.model.teacher import GEMTeacher, build_teacher, teacher_flavor
-from foundation.train import valid_item_mask
 
 TARGETS = {
     "ml1m_hstu": {"hr@10": 0.3097, "ndcg@10": 0.1720},
@@ -87,40 +89,6 @@ def evaluate(
     return metrics.compute()
 
 
-def train_epoch(
-    model: GEMTeacher,
-    optimizer: torch.optim.Optimizer,
-    stream: EventStream,
-    data_cfg: DataConfig,
-    max_steps: int,
-) -> dict:
-    """One pass over the training split; returns mean loss, steps, tokens/s and (on a known GPU) MFU."""
-    device = next(model.parameters()).device
-    peak = peak_flops(torch.cuda.get_device_name(device), "32-true") if device.type == "cuda" else None
-    total_loss, steps, tokens, flops = torch.zeros((), device=device), 0, 0, 0.0
-    start = time.perf_counter()
-    for batch in build_dataloader(stream, data_cfg):
-        if steps == max_steps:
-            break
-        flops += model.flops(batch)  # on the host copy: no device sync
-        tokens += batch.num_tokens
-        batch = batch.to(device, non_blocking=True)
-        loss = model.loss(batch, model(batch))["loss"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total_loss += loss.detach()  # summed on the device: no per-step sync
-        steps += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    return {
-        "loss": float(total_loss) / max(steps, 1),
-        "steps": steps,
-        **throughput_metrics(flops, tokens, seconds, peak),
-    }
-
-
 def run(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # HSTU trains in float32 with TF32 matmuls.
     torch.set_float32_matmul_precision("high")
-    cfg = teacher_flavor(args.flavor)
+    cfg = apply_overrides(teacher_flavor(args.flavor), args.overrides)
     model = build_teacher(cfg, schema).to(device)
     # HSTU's optimiser: AdamW with betas (0.9, 0.98) and no weight decay.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -169,7 +137,8 @@ def run(args: argparse.Namespace) -> dict:
 
     for epoch in range(args.epochs):
         stream.set_epoch(epoch)
-        record = {"epoch": epoch, **train_epoch(model, optimizer, stream, data_cfg, args.max_steps)}
+        batches = build_dataloader(stream, data_cfg)
+        record = {"epoch": epoch, **train_epoch(model, optimizer, batches, max_steps=args.max_steps)}
         elapsed = time.perf_counter() - start
         # With a time budget, stop (after a last evaluation) when another epoch would not fit.
         out_of_time = args.time_budget > 0 and elapsed * (epoch + 2) / (epoch + 1) > args.time_budget
@@ -216,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("overrides", nargs="*", help="teacher config overrides, e.g. num_negatives=512")
     return parser
 
 

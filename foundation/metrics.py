@@ -25,9 +25,16 @@ history and ties are treated.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+from foundation.data.schema import TASKS
+
+if TYPE_CHECKING:
+    from foundation.data.batch import JaggedBatch
 
 EPS = 1e-7
 """Probability clamp for logloss. Predictions usually arrive as float32, whose spacing just below 1
@@ -484,3 +491,47 @@ class RankingMetrics:
         ranks = torch.cat(self._ranks) if self._ranks else torch.zeros(0, dtype=torch.int64)
         self._ranks = [ranks]
         return ranking_metrics(ranks, self.ks)
+
+
+class PredictionLog:
+    """Collects predictions per task and domain across batches, for exact metrics at the end."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def add(self, batch: JaggedBatch, logits: dict[str, torch.Tensor]) -> None:
+        self.rows["domain"].append(batch.domain.cpu())
+        for task in TASKS:
+            if task not in logits:
+                continue
+            self.rows[f"{task}/prob"].append(torch.sigmoid(logits[task].detach().float()).cpu())
+            self.rows[f"{task}/label"].append(batch.labels[task].cpu())
+            self.rows[f"{task}/mask"].append(batch.label_mask[task].cpu())
+            if task in batch.oracle:
+                self.rows[f"{task}/oracle"].append(batch.oracle[task].cpu())
+
+    def metrics(self, num_domains: int, *, prefix: str = "") -> dict[str, float]:
+        """``{f"{prefix}{task}/{metric}": v, f"{prefix}{task}/{metric}/d{k}": v_k, ...}``."""
+        if not self.rows:
+            return {}
+        cat = {k: torch.cat(v) for k, v in self.rows.items()}
+        out: dict[str, float] = {}
+        for task in TASKS:
+            if f"{task}/prob" not in cat:
+                continue
+            groups = {"": torch.ones_like(cat["domain"], dtype=torch.bool)}
+            groups.update({f"/d{k}": cat["domain"] == k for k in range(num_domains)})
+            for suffix, rows in groups.items():
+                mask = cat[f"{task}/mask"] & rows
+                for name, preds, keep in (
+                    ("", cat[f"{task}/prob"], ("ne", "auc", "calibration", "logloss", "count", "base_rate")),
+                    ("oracle_", cat.get(f"{task}/oracle"), ("ne", "auc")),
+                ):
+                    if preds is None:
+                        continue
+                    acc = BinaryMetrics()
+                    acc.update(preds, cat[f"{task}/label"], mask)
+                    for metric, value in acc.compute().items():
+                        if metric in keep:
+                            out[f"{prefix}{task}/{name}{metric}{suffix}"] = float(value)
+        return out

@@ -298,3 +298,17 @@ def build_dataloader(stream: EventStream, cfg: DataConfig) -> DataLoader:
 
 def count_rows(dataset_dir: str | Path, split: str) -> int:
     return sum(pq.ParquetFile(s).metadata.num_rows for s in list_shards(dataset_dir, split))
+
+
+def valid_item_mask(dataset_dir: str | Path, num_items: int) -> torch.Tensor | None:
+    """``[num_items]`` bool of ids that are real items, from a converter's ``item_ids.parquet``.
+
+    Full ranking must not count never-used ids (e.g. gaps in MovieLens ids) as candidates.
+    """
+    path = Path(dataset_dir) / "item_ids.parquet"
+    if not path.is_file():
+        return None
+    ids = pq.read_table(path, columns=["id"]).column("id").to_numpy()
+    mask = torch.zeros(num_items, dtype=torch.bool)
+    mask[torch.as_tensor(ids.astype("int64", copy=True))] = True
+    return mask

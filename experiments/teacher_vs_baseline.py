@@ -1,0 +1,154 @@
+"""Teacher against baseline on the synthetic ads world: one experiment flavor, one seed, one JSON.
+
+Usage::
+
+    gem data synth --preset default --out /tmp/world max_history=1024
+    python -m experiments.teacher_vs_baseline --data /tmp/world --flavor default --seed 0 --json dlrm0.json
+    python -m experiments.teacher_vs_baseline --data /tmp/world --flavor teacher-small --seed 0 \\
+        --json t512.json model.teacher.max_len=512 data.max_len=512
+    python -m experiments.teacher_vs_baseline --data /tmp/world --flavor teacher-small --seed 0 \\
+        --json t32.json model.teacher.max_len=32 data.max_len=32          # the short-history ablation
+
+Any flavor of :mod:`experiments.flavors` (dotted overrides after the options) is trained for
+``--epochs`` passes over the train split (cut short after ``--time-budget`` seconds of training)
+with the harness's optimiser (AdamW, ``train.lr``, ``train.weight_decay``, gradient clipping at
+``train.grad_clip``), under bf16 autocast when
+``train.precision`` is ``bf16-mixed``. After every epoch the valid and test splits are scored;
+the reported figures are the test metrics of the epoch with the best valid click NE (early
+stopping on the earlier time window, never on test). Metrics are the harness's
+(:class:`foundation.metrics.PredictionLog`): NE, AUC and calibration per task, overall and per
+domain, with the oracle's beside them.
+
+The loop is plain PyTorch, not the Lightning harness, so that it runs on a GPU machine that has
+no MLflow; ``gem train`` + ``gem eval`` give the same metrics through the harness. Many runs
+share one GPU well (the models are small), so a sweep starts one process per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from experiments.flavors import get_flavor
+from experiments.loop import train_epoch
+from foundation.config import apply_overrides
+from foundation.data.io import atomic_write_text
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
+from foundation.data.schema import EventSchema
+from foundation.metrics import PredictionLog
+from foundation.model.registry import build_model
+
+
+@torch.no_grad()
+def score_split(
+    model: torch.nn.Module, dataset: str, split: str, data_cfg: DataConfig, num_domains: int
+) -> dict:
+    """NE/AUC/calibration per task and domain, and the oracle's, on one split."""
+    model.eval()
+    device = next(model.parameters()).device
+    log = PredictionLog()
+    for batch in build_dataloader(EventStream(dataset, split, data_cfg, training=False), data_cfg):
+        batch = batch.to(device, non_blocking=True)
+        log.add(batch, model(batch).logits)
+    model.train()
+    return log.metrics(num_domains)
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = apply_overrides(
+        get_flavor(args.flavor), [*args.overrides, f"data.path={args.data}", f"train.seed={args.seed}"]
+    )
+    schema = EventSchema.load(cfg.data.path)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(cfg.train.seed)
+    torch.set_float32_matmul_precision("high")
+    model = build_model(cfg.model, schema).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    autocast = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
+    eval_cfg = DataConfig(**{**cfg.data.__dict__, "batch_size": args.eval_batch_size, "token_budget": 0})
+    stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
+    history: list[dict] = []
+    start = time.perf_counter()
+    deadline = start + args.time_budget if args.time_budget > 0 else None
+    for epoch in range(args.epochs):
+        if history and deadline is not None and time.perf_counter() > deadline:
+            break
+        stream.set_epoch(epoch)
+        record = {
+            "epoch": epoch,
+            **train_epoch(
+                model,
+                optimizer,
+                build_dataloader(stream, cfg.data),
+                grad_clip=cfg.train.grad_clip,
+                autocast_dtype=autocast,
+                deadline=deadline,
+            ),
+            "valid": score_split(model, cfg.data.path, "valid", eval_cfg, schema.num_domains),
+            "test": score_split(model, cfg.data.path, "test", eval_cfg, schema.num_domains),
+            "elapsed_s": time.perf_counter() - start,
+        }
+        history.append(record)
+        print(
+            json.dumps(
+                {k: record[k] for k in ("epoch", "loss", "tokens_per_s")}
+                | {
+                    "valid_click_ne": record["valid"].get("click/ne"),
+                    "test_click_ne": record["test"].get("click/ne"),
+                }
+            ),
+            flush=True,
+        )
+    best = min(history, key=lambda r: r["valid"].get("click/ne", float("inf")))
+    result = {
+        "flavor": args.flavor,
+        "overrides": args.overrides,
+        "seed": args.seed,
+        "data": cfg.data.path,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "config": cfg.to_dict(),
+        "best_epoch": best["epoch"],
+        "test": best["test"],
+        "history": history,
+    }
+    if args.json:
+        atomic_write_text(args.json, json.dumps(result, indent=2, default=str))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="a synthetic (ctr) dataset directory")
+    parser.add_argument("--flavor", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument(
+        "--time-budget", type=float, default=0.0, help="seconds of training, then stop (0: none)"
+    )
+    parser.add_argument("--eval-batch-size", type=int, default=1024)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides of the flavor, e.g. model.teacher.max_len=32"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    result = run(build_parser().parse_args(argv))
+    test = result["test"]
+    print(
+        json.dumps(
+            {"best_epoch": result["best_epoch"]} | {k: v for k, v in test.items() if "/d" not in k}, indent=2
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
