@@ -8,7 +8,9 @@ MovieLens-1M (``gem data convert --format seq-tsv --input .../sequences.tsv --ou
 ``gem train --flavor student-debug-ah-sa 'transfer.teacher_outputs={"train": "to/train", "valid": "to/valid"}'``.
 Each transfer method is a list of overrides (:data:`STUDENT_METHODS`); representation transfer also
 needs the teacher's dims: ``model.student.teacher_repr=true model.student.user_repr_dim=64
-model.student.item_repr_dim=64`` (:func:`repr_overrides` reads them from a teacher-output manifest).
+model.student.item_repr_dim=64`` (:func:`repr_overrides` reads them from a teacher-output manifest);
+parameter sharing (:data:`SHARING_METHODS`) needs the teacher checkpoint: ``transfer.share_from=PATH``
+(:func:`sharing_overrides`).
 """
 
 from __future__ import annotations
@@ -68,19 +70,33 @@ def _student(name: str, data_path: str, *, history_len: int, batch_size: int, **
     )
 
 
-# Transfer method -> overrides of a student flavor. ``repr`` methods also need :func:`repr_overrides`.
+_AH_SA = ("model.student.distill=ah", "model.student.use_adapter=true")
+# Transfer method -> overrides of a student flavor. ``repr`` methods also need :func:`repr_overrides`,
+# :data:`SHARING_METHODS` also :func:`sharing_overrides`. ``sharing`` is parameter sharing alone (true
+# labels only); ``full`` is the whole stack, AH + SA + sharing + representations.
 STUDENT_METHODS: dict[str, tuple[str, ...]] = {
     "alone": (),
     "kd": ("model.student.distill=kd",),
     "ah": ("model.student.distill=ah",),
-    "ah-sa": ("model.student.distill=ah", "model.student.use_adapter=true"),
-    "ah-sa-repr": ("model.student.distill=ah", "model.student.use_adapter=true", "model.student.teacher_repr=true"),
+    "ah-sa": _AH_SA,
+    "ah-sa-repr": (*_AH_SA, "model.student.teacher_repr=true"),
+    "sharing": (),
+    "full": (*_AH_SA, "model.student.teacher_repr=true"),
 }
+# Methods whose students start from the teacher's tables.
+SHARING_METHODS = ("sharing", "full")
 
 
 def repr_overrides(user_repr_dim: int, item_repr_dim: int) -> tuple[str, ...]:
     """Overrides giving a student the teacher's representation dims (from a teacher-output schema)."""
     return (f"model.student.user_repr_dim={user_repr_dim}", f"model.student.item_repr_dim={item_repr_dim}")
+
+
+def sharing_overrides(teacher_ckpt: str, policy: str = "finetune_lower_lr", lr_scale: float = 0.1) -> tuple[str, ...]:
+    """Overrides that start a student from the tables of ``teacher_ckpt`` (:mod:`transfer.sharing`)."""
+    return (
+        f"transfer.share_from={teacher_ckpt}", f"transfer.share_policy={policy}", f"transfer.share_lr_scale={lr_scale}"
+    )
 
 
 def with_method(make: Callable[[], ExperimentConfig], method: str) -> Callable[[], ExperimentConfig]:
@@ -94,7 +110,7 @@ def with_method(make: Callable[[], ExperimentConfig], method: str) -> Callable[[
     return build
 
 
-# Methods whose flavors need nothing from a particular teacher (``ah-sa-repr`` needs its dims).
+# Methods whose flavors need nothing from a particular teacher (``ah-sa-repr`` needs its dims, sharing its checkpoint).
 TEACHER_FREE_METHODS = ("kd", "ah", "ah-sa")
 
 

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    results = run(build_parser().parse_args(argv))
+    results = run(build_parser().parse_intermixed_args(argv))
     print(json.dumps({"final_test": results["final_test"], "targets": results["targets"]}, indent=2))
     return 0
 

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    result = run(build_parser().parse_args(argv))
+    result = run(build_parser().parse_intermixed_args(argv))
     test = result["test"]
     print(
         json.dumps(

@@ -14,6 +14,8 @@ from pathlib import Path
 from foundation.config import ConfigError, apply_overrides
 
 EXIT_USAGE = 2
+# transfer.sharing.POLICIES, spelled out so that building the parser imports no torch.
+POLICY_CHOICES = ("freeze", "finetune", "finetune_lower_lr")
 
 
 class CLIError(Exception):
@@ -113,11 +115,48 @@ def cmd_transfer_report(args: argparse.Namespace) -> None:
             student_split=args.student_split,
             rows_per_shard=args.rows_per_shard,
             overrides=tuple(args.overrides),
+            teacher_run_id=args.teacher_run_id or "",
+            share_policy=args.share_policy,
+            share_lr_scale=args.share_lr_scale,
             **({"methods": methods} if methods else {}),
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
     print(run_transfer_report(cfg))
+
+
+def cmd_pipeline(args: argparse.Namespace) -> None:
+    from transfer.pipeline import PipelineConfig, PipelineError, run_pipeline
+    from transfer.sharing import SharingError
+    from transfer.teacher_outputs import TeacherOutputsError
+
+    if args.teacher_ckpt and not Path(args.teacher_ckpt).is_file():
+        raise CLIError(f"checkpoint not found: {args.teacher_ckpt}")
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    try:
+        cfg = PipelineConfig(
+            out_dir=args.out,
+            preset=args.preset,
+            data_path=args.data or "",
+            teacher_ckpt=args.teacher_ckpt or "",
+            teacher_run_id=args.teacher_run_id or "",
+            teacher_flavor=args.teacher_flavor or "",
+            student_flavor=args.student_flavor or "",
+            seeds=args.seeds,
+            student_split=args.student_split,
+            synth_overrides=tuple(args.synth),
+            teacher_overrides=tuple(args.teacher),
+            student_overrides=tuple(args.student),
+            share_policy=args.share_policy,
+            **({"methods": methods} if methods else {}),
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    try:
+        path = run_pipeline(cfg)
+    except (PipelineError, SharingError, TeacherOutputsError) as exc:
+        raise CLIError(str(exc)) from exc
+    print(path)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -143,6 +182,57 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise CLIError(str(exc)) from exc
     print(json.dumps({k: v for k, v in report.items() if k != "manifest"}, indent=2, default=str))
     _write_json(args.json, report)
+
+
+def cmd_retrieve(args: argparse.Namespace) -> None:
+    from transfer.export import StoreError, open_store
+
+    try:
+        store = open_store(args.store, args.version)
+        vector, found = store.lookup_users([args.user_id])
+        if not found[0]:
+            raise CLIError(f"user {args.user_id} is not in {store.path}")
+        index = store.index()
+    except StoreError as exc:
+        raise CLIError(str(exc)) from exc
+    ids, scores = index.search(vector, args.k)
+    keep = ids[0] >= 0
+    result = {"user_id": args.user_id, "version": store.version, "factory": index.meta.factory,
+              "items": ids[0][keep].tolist(), "scores": scores[0][keep].tolist()}
+    print(json.dumps(result, indent=2))
+    _write_json(args.json, result)
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> None:
+    from experiments.bench_serving import main_from_args
+
+    for path in (args.ckpt, args.store):
+        if not Path(path).exists():
+            raise CLIError(f"not found: {path}")
+    try:
+        main_from_args(args)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+
+
+def cmd_package(args: argparse.Namespace) -> None:
+    from foundation.train import tracking_uri
+    from transfer.export import StoreError
+    from value_models.packaging import register_value_model
+    from value_models.serving import BudgetError, LatencyBudget, ServingConfig
+
+    if not Path(args.ckpt).is_file():
+        raise CLIError(f"checkpoint not found: {args.ckpt}")
+    cfg = ServingConfig(budget=LatencyBudget(args.max_candidates, args.p99_ms), max_store_age_s=args.max_store_age_s,
+                        follow_latest=args.follow_latest)
+    try:
+        result = register_value_model(
+            args.ckpt, args.store, args.name, alias=args.alias, cfg=cfg, tracking_uri=tracking_uri()
+        )
+    except (BudgetError, StoreError) as exc:
+        raise CLIError(str(exc)) from exc
+    print(json.dumps({k: v for k, v in result.items() if k != "forms"}, indent=2, default=str))
+    _write_json(args.json, result)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
@@ -207,8 +297,30 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--seeds", type=int, default=2)
     rep.add_argument("--student-split", default="train", help="split the students train on (e.g. valid: a later window)")
     rep.add_argument("--rows-per-shard", type=int, default=65536)
+    rep.add_argument("--teacher-run-id", help="the teacher's MLflow run (default: recorded beside its checkpoints/)")
+    rep.add_argument("--share-policy", default="finetune_lower_lr", choices=POLICY_CHOICES)
+    rep.add_argument("--share-lr-scale", type=float, default=0.1)
     rep.add_argument("overrides", nargs="*", help="overrides of the student flavor, e.g. train.max_steps=100")
     rep.set_defaults(fn=cmd_transfer_report)
+
+    pipe = sub.add_parser(
+        "pipeline", help="data -> teacher -> teacher outputs -> students -> report (resumable; prints its path)"
+    )
+    pipe.add_argument("--preset", default="debug", help="synthetic world preset (debug, default)")
+    pipe.add_argument("--out", required=True, help="directory for the teacher run, outputs, students and the report")
+    pipe.add_argument("--data", help="dataset directory (default: data/synth-<preset>, generated if missing)")
+    pipe.add_argument("--teacher-ckpt", help="an existing teacher checkpoint (skips teacher training)")
+    pipe.add_argument("--teacher-run-id", help="its MLflow run (default: recorded beside its checkpoints/)")
+    pipe.add_argument("--teacher-flavor", help="teacher flavor to train (default: the preset's GEM teacher)")
+    pipe.add_argument("--student-flavor", help="student flavor (default: the preset's)")
+    pipe.add_argument("--methods", default="", help="comma-separated transfer methods (default: all)")
+    pipe.add_argument("--seeds", type=int, default=2)
+    pipe.add_argument("--student-split", default="valid", help="split the students train on (default: later window)")
+    pipe.add_argument("--share-policy", default="finetune_lower_lr", choices=POLICY_CHOICES)
+    pipe.add_argument("--synth", nargs="*", default=[], help="generator overrides, e.g. num_examples=20000")
+    pipe.add_argument("--teacher", nargs="*", default=[], help="teacher flavor overrides, e.g. train.max_steps=200")
+    pipe.add_argument("--student", nargs="*", default=[], help="student flavor overrides, e.g. train.max_epochs=3")
+    pipe.set_defaults(fn=cmd_pipeline)
 
     ex = sub.add_parser("export", help="publish a version of the user/item embedding store (+ FAISS index)")
     ex.add_argument("--ckpt", required=True)
@@ -221,6 +333,36 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--no-index", action="store_true")
     ex.add_argument("--json")
     ex.set_defaults(fn=cmd_export)
+
+    ret = sub.add_parser("retrieve", help="top-K items for a user from the store's FAISS index")
+    ret.add_argument("user_id", type=int)
+    ret.add_argument("--store", required=True)
+    ret.add_argument("--k", type=int, default=10)
+    ret.add_argument("--version", type=int, help="store version (default: LATEST)")
+    ret.add_argument("--json")
+    ret.set_defaults(fn=cmd_retrieve)
+
+    bs = sub.add_parser("bench-serving", help="value-model latency per serving form at 64/256/1024 candidates")
+    bs.add_argument("--ckpt", required=True, help="student checkpoint (gem train --flavor student-*)")
+    bs.add_argument("--store", required=True, help="embedding store root (gem export)")
+    bs.add_argument("--candidates", default="64,256,1024")
+    bs.add_argument("--forms", default="", help="comma-separated serving forms (default: all)")
+    bs.add_argument("--iters", type=int, default=500)
+    bs.add_argument("--warmup", type=int, default=100)
+    bs.add_argument("--json")
+    bs.set_defaults(fn=cmd_bench_serving)
+
+    pk = sub.add_parser("package", help="check a student's latency budget; register it as an MLflow pyfunc + alias")
+    pk.add_argument("--ckpt", required=True, help="student checkpoint")
+    pk.add_argument("--store", required=True, help="embedding store root (its LATEST version is packaged)")
+    pk.add_argument("--name", required=True, help="registered model name")
+    pk.add_argument("--alias", default="champion")
+    pk.add_argument("--max-candidates", type=int, default=256)
+    pk.add_argument("--p99-ms", type=float, default=2.0, help="p99 budget on one CPU thread at --max-candidates")
+    pk.add_argument("--max-store-age-s", type=float, help="flag responses from an older store version as stale")
+    pk.add_argument("--follow-latest", action="store_true", help="an unbundled store: follow its LATEST")
+    pk.add_argument("--json")
+    pk.set_defaults(fn=cmd_package)
 
     qs = sub.add_parser("quickstart", help="synthetic data -> training -> evaluation, all in MLflow")
     qs.add_argument("--preset", default="default")

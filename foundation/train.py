@@ -19,7 +19,7 @@ import inspect
 import json
 import os
 import time
-from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,17 +32,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from foundation.config import ExperimentConfig, experiment_from_dict
+from foundation.config import ConfigError, ExperimentConfig, experiment_from_dict
 from foundation.data.batch import BatchPosition, JaggedBatch
 from foundation.data.io import CorruptFileError, atomic_path
-from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, valid_item_mask
 from foundation.data.schema import TASKS, EventSchema
-from foundation.metrics import BinaryMetrics, RankingMetrics
+from foundation.metrics import PredictionLog, RankingMetrics
 from foundation.model.flops import peak_flops, throughput_metrics
 from foundation.model.outputs import ModelOutput
 from foundation.model.registry import build_model
 
 if TYPE_CHECKING:
+    from transfer.sharing import SharingResult
     from transfer.teacher_outputs import TeacherOutputs
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -72,7 +73,10 @@ class EventDataModule(L.LightningDataModule):
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if trainer is None:
+            return 0, 1
+        # GemParallelStrategy says how data-parallel ranks read (tp/cp peers read the same rows).
+        return getattr(trainer.strategy, "data_rank_world", (trainer.global_rank, trainer.world_size))
 
     def _stream(self, split: str, training: bool) -> EventStream:
         rank, world = self._rank_world()
@@ -120,66 +124,6 @@ class EventDataModule(L.LightningDataModule):
         self.next_worker_stream = state["next_worker_stream"]
 
 
-class PredictionLog:
-    """Collects predictions per task and domain across batches, for exact metrics at the end."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
-
-    def add(self, batch: JaggedBatch, logits: dict[str, torch.Tensor]) -> None:
-        self.rows["domain"].append(batch.domain.cpu())
-        for task in TASKS:
-            if task not in logits:
-                continue
-            self.rows[f"{task}/prob"].append(torch.sigmoid(logits[task].detach().float()).cpu())
-            self.rows[f"{task}/label"].append(batch.labels[task].cpu())
-            self.rows[f"{task}/mask"].append(batch.label_mask[task].cpu())
-            if task in batch.oracle:
-                self.rows[f"{task}/oracle"].append(batch.oracle[task].cpu())
-
-    def metrics(self, num_domains: int, *, prefix: str = "") -> dict[str, float]:
-        """``{f"{prefix}{task}/{metric}": v, f"{prefix}{task}/{metric}/d{k}": v_k, ...}``."""
-        if not self.rows:
-            return {}
-        cat = {k: torch.cat(v) for k, v in self.rows.items()}
-        out: dict[str, float] = {}
-        for task in TASKS:
-            if f"{task}/prob" not in cat:
-                continue
-            groups = {"": torch.ones_like(cat["domain"], dtype=torch.bool)}
-            groups.update({f"/d{k}": cat["domain"] == k for k in range(num_domains)})
-            for suffix, rows in groups.items():
-                mask = cat[f"{task}/mask"] & rows
-                for name, preds, keep in (
-                    ("", cat[f"{task}/prob"], ("ne", "auc", "calibration", "logloss", "count", "base_rate")),
-                    ("oracle_", cat.get(f"{task}/oracle"), ("ne", "auc")),
-                ):
-                    if preds is None:
-                        continue
-                    acc = BinaryMetrics()
-                    acc.update(preds, cat[f"{task}/label"], mask)
-                    for metric, value in acc.compute().items():
-                        if metric in keep:
-                            out[f"{prefix}{task}/{name}{metric}{suffix}"] = float(value)
-        return out
-
-
-def valid_item_mask(dataset_dir: str | Path, num_items: int) -> torch.Tensor | None:
-    """``[num_items]`` bool of ids that are real items, from a converter's ``item_ids.parquet``.
-
-    Full ranking must not count never-used ids (e.g. gaps in MovieLens ids) as candidates.
-    """
-    path = Path(dataset_dir) / "item_ids.parquet"
-    if not path.is_file():
-        return None
-    import pyarrow.parquet as pq
-
-    ids = pq.read_table(path, columns=["id"]).column("id").to_numpy()
-    mask = torch.zeros(num_items, dtype=torch.bool)
-    mask[torch.as_tensor(ids.astype("int64", copy=True))] = True
-    return mask
-
-
 class RecModule(L.LightningModule):
     """Trains any registered model on ``JaggedBatch`` es.
 
@@ -188,12 +132,15 @@ class RecModule(L.LightningModule):
     HR@K/NDCG@K with full ranking (``next_item``).
     """
 
-    def __init__(self, config: dict[str, Any], schema: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], schema: dict[str, Any], from_checkpoint: bool = False) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        # Kept in checkpoints for load_module; train() logs the config to MLflow itself, once per run
+        # (Lightning would re-log it on every resume, and MLflow refuses a changed param value).
+        self.save_hyperparameters(ignore=["from_checkpoint"], logger=False)
         self.cfg = experiment_from_dict(config)
         self.schema = EventSchema(**schema)
         self.model = build_model(self.cfg.model, self.schema)
+        self.sharing = self.build_sharing(from_checkpoint)
         self.val_log = PredictionLog()
         self.val_ranking = RankingMetrics()
         self.valid_items: torch.Tensor | None = None
@@ -205,6 +152,24 @@ class RecModule(L.LightningModule):
                 f"transfer.teacher_outputs is set, but model.arch={self.cfg.model.arch!r} takes no teacher outputs"
             )
         self._teacher_outputs: dict[str, TeacherOutputs] = {}
+
+    def build_sharing(self, from_checkpoint: bool) -> SharingResult | None:
+        """Teacher parameters in the model when ``transfer.share_from`` is set (:mod:`transfer.sharing`).
+
+        A new module copies them from the teacher checkpoint and records their dims in the saved config
+        (``transfer.shared_dims``); a module loaded ``from_checkpoint`` rebuilds that layout without the teacher.
+        """
+        if not self.cfg.transfer.share_from:
+            return None
+        # transfer.sharing imports this module, so it is imported on first use.
+        from transfer.sharing import restore_shared_layout, share_from_config
+
+        if from_checkpoint:
+            return restore_shared_layout(self.model, self.cfg.transfer)
+        result = share_from_config(self.model, self.cfg.transfer, self.cfg.model.arch)
+        self.cfg.transfer.shared_dims = result.table_dims
+        self.hparams["config"] = self.cfg.to_dict()
+        return result
 
     def teacher_outputs(self, split: str) -> TeacherOutputs | None:
         """The verified teacher outputs configured for ``split`` (read once, then cached), or None.
@@ -297,7 +262,13 @@ class RecModule(L.LightningModule):
             datamodule.start_epoch(self.current_epoch)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+        params = self.parameters()
+        if self.sharing is not None:
+            # Shared teacher parameters train by the sharing policy: frozen, or in a lower-lr group.
+            from transfer.sharing import build_param_groups
+
+            params = build_param_groups(self.model, self.sharing, self.cfg.train.lr)
+        return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_state"] = torch.get_rng_state()
@@ -351,9 +322,15 @@ def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Train
     callbacks = [checkpoint]
     if cfg.train.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=10))
+    placement: dict[str, Any] = {"devices": cfg.train.devices, "plugins": [AtomicCheckpointIO()]}
+    if cfg.parallel.enabled:
+        from foundation.parallel.strategy import GemParallelStrategy, launch_world
+
+        devices, nodes = launch_world()
+        placement = {"devices": devices, "num_nodes": nodes, "strategy": GemParallelStrategy(cfg.parallel)}
     return L.Trainer(
         accelerator=cfg.train.accelerator,
-        devices=cfg.train.devices,
+        **placement,
         precision=cfg.train.precision,
         max_epochs=cfg.train.max_epochs,
         max_steps=cfg.train.max_steps,
@@ -363,7 +340,6 @@ def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Train
         num_sanity_val_steps=0,
         logger=logger if logger is not None else False,
         callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
         enable_progress_bar=cfg.train.progress_bar,
         enable_model_summary=False,
         deterministic=True,
@@ -391,7 +367,24 @@ def transfer_lineage(module: RecModule) -> dict[str, str]:
         tags["gem.teacher_run_id"] = teacher["mlflow_run_id"] or ""
         tags["gem.checkpoint_sha256"] = teacher["checkpoint_sha256"]
         tags[f"gem.teacher_outputs.{split}"] = str((Path(path) / MANIFEST_FILE).resolve())
+    if module.cfg.transfer.share_from:
+        tags["gem.shared_from"] = str(Path(module.cfg.transfer.share_from).resolve())
     return tags
+
+
+def record_resumed_config(run_id: str, cfg: ExperimentConfig) -> None:
+    """On resume, record config values that differ from the run's logged params (MLflow params are write-once).
+
+    The changed keys go to the tag ``gem.resume.changed`` and the whole config to the artifact
+    ``config_resume_<n>.json``, ``n`` counting the resumes that changed something.
+    """
+    run = mlflow.get_run(run_id)
+    changed = sorted(k for k, v in cfg.flat().items() if k in run.data.params and run.data.params[k] != str(v))
+    if not changed:
+        return
+    resumes = int(run.data.tags.get("gem.resume.count", "0")) + 1
+    mlflow.set_tags({"gem.resume.changed": ",".join(changed), "gem.resume.count": str(resumes)})
+    mlflow.log_dict(cfg.to_dict(), f"config_resume_{resumes}.json")
 
 
 def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
@@ -399,6 +392,11 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
 
     With ``resume`` and an existing ``last.ckpt`` under the run directory, training continues from it
     (model, optimizer, RNG and data position), in the same MLflow run.
+
+    With ``parallel.enabled`` (one process, or every process of a ``torchrun`` job) the
+    :class:`~foundation.parallel.strategy.GemParallelStrategy` trains: checkpoints are DCP step
+    directories under ``last.dcp/`` (resumed at any world size), ``last.ckpt`` is a single-file export
+    written at the end, and only rank 0 opens the MLflow run (the other ranks return ``run_id`` None).
     """
     L.seed_everything(cfg.train.seed, workers=True)
     datamodule = EventDataModule(cfg.data)
@@ -408,27 +406,51 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
     last = out / "checkpoints" / "last.ckpt"
     run_id_file = out / "mlflow_run_id"
     resuming = resume and last.is_file()
+    rank0 = True
+    if cfg.parallel.enabled:
+        from foundation.parallel.strategy import has_distributed_checkpoint, node_id
+
+        cfg.parallel.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        resuming = resume and has_distributed_checkpoint(last)
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        mlflow.system_metrics.set_system_metrics_node_id(node_id())
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            f"launched as {os.environ['WORLD_SIZE']} processes (torchrun?): set parallel.enabled=true, "
+            "else every process would train the whole model alone"
+        )
     lineage = transfer_lineage(module)
     mlflow.set_tracking_uri(tracking_uri(cfg))
-    mlflow.set_experiment(cfg.train.experiment)
+    if rank0:
+        mlflow.set_experiment(cfg.train.experiment)
     # CPU, memory and (on GPU machines) device utilisation every few seconds, even for short runs.
     mlflow.system_metrics.set_system_metrics_sampling_interval(2)
     mlflow.system_metrics.set_system_metrics_samples_before_logging(1)
     run_id = run_id_file.read_text().strip() if resuming and run_id_file.is_file() else None
-    with mlflow.start_run(run_id=run_id, run_name=cfg.name, log_system_metrics=True) as run:
-        if run_id is None:
+    run_context = mlflow.start_run(run_id=run_id, run_name=cfg.name, log_system_metrics=True) if rank0 else nullcontext()
+    with run_context as run:
+        if rank0 and run_id is None:
             mlflow.log_params(cfg.flat())
             mlflow.log_dict(cfg.to_dict(), "config.json")
             mlflow.set_tags(
                 {"gem.stage": "train", "gem.flavor": cfg.name, "gem.dataset": str(cfg.data.path), **lineage}
             )
             (out / "mlflow_run_id").write_text(run.info.run_id)
-        logger = MLFlowLogger(
-            experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run.info.run_id
+        elif rank0:
+            record_resumed_config(run.info.run_id, cfg)
+        # Other ranks get no logger: even constructing one opens the tracking store.
+        logger = (
+            MLFlowLogger(experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run.info.run_id)
+            if rank0
+            else None
         )
         trainer = build_trainer(cfg, logger)
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
         trainer.save_checkpoint(last)
+        if cfg.parallel.enabled:
+            trainer.strategy.export_single_file_checkpoint(last)
+        if not rank0:
+            return {"run_id": None, "checkpoint": str(last), "checkpoint_sha256": "", "metrics": {}}
         sha = sha256_file(last)
         mlflow.log_metric("data/quarantined_rows", quarantine_count(cfg.data.path))
         mlflow.log_dict({"path": str(last.resolve()), "sha256": sha}, "checkpoint.json")
@@ -441,7 +463,7 @@ def load_module(ckpt_path: str | Path) -> RecModule:
     hp = ckpt.get("hyper_parameters")
     if not hp or "config" not in hp or "schema" not in hp:
         raise ValueError(f"{ckpt_path}: not a gem training checkpoint (no config/schema hyper-parameters)")
-    module = RecModule(hp["config"], hp["schema"])
+    module = RecModule(hp["config"], hp["schema"], from_checkpoint=True)
     module.load_state_dict(ckpt["state_dict"])
     return module.eval()
 

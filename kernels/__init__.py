@@ -14,13 +14,20 @@ reference against the kernels (``experiments/bench_teacher.py --backend pytorch`
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 
-__all__ = ["ACTIVATIONS", "jagged_attention", "jagged_cross_attention"]
+__all__ = ["ACTIVATIONS", "jagged_attention", "jagged_cross_attention", "route_jagged_attention"]
+
+# Context parallelism (foundation/parallel/context.py) computes the model's unchanged jagged_attention calls on
+# one rank's tokens against every rank's keys; it takes them over through this route.
+_ATTENTION_ROUTE: ContextVar[Callable[..., torch.Tensor] | None] = ContextVar("jagged_attention_route", default=None)
 
 _BACKENDS = ("auto", "pytorch", "triton")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -92,6 +99,18 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+@contextlib.contextmanager
+def route_jagged_attention(route: Callable[..., torch.Tensor] | None) -> Iterator[None]:
+    """Inside the context, ``jagged_attention(q, k, v, offsets, max_len, **options)`` returns
+    ``route(q, k, v, offsets, max_len, **options)`` instead; ``None`` restores the kernels (which is how a
+    route calls them itself)."""
+    token = _ATTENTION_ROUTE.set(route)
+    try:
+        yield
+    finally:
+        _ATTENTION_ROUTE.reset(token)
+
+
 def _check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -151,6 +170,12 @@ def jagged_attention(
     Raises:
         ValueError: on shapes, dtypes, devices or offsets that do not fit together.
     """
+    route = _ATTENTION_ROUTE.get()
+    if route is not None:
+        return route(
+            q, k, v, offsets, max_len, activation=activation, causal=causal, alpha=alpha, num_targets=num_targets,
+            window=window, pos_bias=pos_bias, time_bias=time_bias, timestamps=timestamps, backend=backend,
+        )
     _check_qkv(q, k, v, same_rows=True)
     _check_activation(activation)
     _check_offsets("offsets", offsets, q.shape[0], max_len, q.device)

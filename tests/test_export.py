@@ -113,7 +113,9 @@ def test_incremental_refresh_equals_full_and_recomputes_only_changed_users(teach
     assert inc["users_recomputed"] == len(CHANGED_USERS) and inc["users_copied"] == inc["users"] - len(CHANGED_USERS)
 
     a, b = open_store(store, inc["version"]), open_store(store, full["version"])
-    for name in ("user_ids", "item_ids", "user_timestamps", "user_fingerprints"):
+    features = [n for n in a.arrays if n.startswith(("user_feat_", "item_feat_", "user_history_", "user_dense"))]
+    assert len(features) == 2 * 2 + 2 + 1 and a.manifest["features"] == b.manifest["features"]
+    for name in ("user_ids", "item_ids", "user_timestamps", "user_fingerprints", *features):
         np.testing.assert_array_equal(a.arrays[name], b.arrays[name])
     np.testing.assert_allclose(a.arrays["users"], b.arrays["users"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(a.arrays["items"], b.arrays["items"], rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The FAISS item index: exact search equals numpy, HNSW recall, default factories, write/read round trip."""
+"""The FAISS item index: exact search equals numpy, HNSW and IVF recall, default factories, write/read round trip."""
 
 from __future__ import annotations
 
@@ -69,8 +69,21 @@ def test_ivf_keeps_ids_natively_and_defaults_follow_corpus_size():
     np.testing.assert_array_equal(found[:, 0], ids[:20])
     np.testing.assert_allclose(distances[:, 0], 0, atol=1e-4)
     assert default_factory(99_999, 64) == ("Flat", "")
-    assert default_factory(500_000, 64) == ("HNSW32", "efSearch=128")
+    assert default_factory(500_000, 64) == ("IVF2048,Flat", "nprobe=32")
     assert default_factory(4_000_000, 96) == ("IVF4096,PQ48", "nprobe=32")
+
+
+def test_mid_size_default_keeps_recall_for_queries_away_from_the_items():
+    # Queries around other centres than the items, as user vectors are against item vectors: HNSW's graph walk
+    # loses most true neighbours there, which is why the default for 100k..2M items is IVF-Flat.
+    items, queries = clustered(20_000, 32), clustered(200, 32, seed=5)
+    ids = np.arange(len(items), dtype=np.int64)
+    exact = build_index(items, ids, factory="Flat")
+    factory, params = default_factory(150_000, 32)
+    assert factory.startswith("IVF") and factory.endswith(",Flat")
+    default = recall_at_k(build_index(items, ids, factory=factory, search_params=params), exact, queries, 10)
+    hnsw = recall_at_k(build_index(items, ids, factory="HNSW32", search_params="efSearch=128"), exact, queries, 10)
+    assert default > 0.88 and hnsw < 0.8, (default, hnsw)
 
 
 def test_write_read_round_trip(tmp_path):

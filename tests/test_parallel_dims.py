@@ -52,12 +52,33 @@ def test_bad_degrees_raise_clear_errors(kwargs, message):
 
 
 def test_unsupported_combinations_are_rejected_before_any_collective():
-    with pytest.raises(ValueError, match="context parallel"):
-        check_supported(ParallelDims(dp_shard=1, cp=2, world_size=2), ParallelConfig())
-    with pytest.raises(ValueError, match="2-D embedding sharding"):
+    with pytest.raises(ValueError, match=r"2-D embedding sharding .* DMPCollection asserts a CUDA or MTIA"):
         check_supported(ParallelDims(dp_shard=-1, emb_shard=1, world_size=2), ParallelConfig())
     with pytest.raises(ValueError, match="fsdp=True"):
         check_supported(ParallelDims(dp_shard=-1, world_size=2), ParallelConfig(fsdp=False))
+    with pytest.raises(ValueError, match="fsdp=True"):
+        check_supported(ParallelDims(dp_shard=1, cp=2, world_size=2), ParallelConfig(fsdp=False))
+    check_supported(ParallelDims(dp_shard=1, cp=2, world_size=2), ParallelConfig())
+    with pytest.raises(ValueError, match="cp_attention must be one of"):
+        check_supported(ParallelDims(dp_shard=1, cp=2, world_size=2), ParallelConfig(cp_attention="ring"))
+
+
+def test_torchrec_dmp_collection_still_refuses_cpu():
+    """Why 2-D embedding sharding is refused: torchrec's DMPCollection asserts CUDA/MTIA before anything else.
+
+    When a torchrec upgrade lifts that, this test fails and the refusal in ``check_supported`` can go.
+    """
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    with pytest.raises(AssertionError, match="DMPCollection only supports CUDA or MTIA"):
+        DMPCollection(
+            module=torch.nn.Linear(1, 1),
+            device=torch.device("cpu"),
+            plan=None,
+            world_size=2,
+            sharding_group_size=1,
+            global_pg=None,
+        )
 
 
 def test_config_errors_name_the_valid_choices():
@@ -94,6 +115,7 @@ def test_mesh_has_every_named_dim_and_flattened_views(single_rank_group):
     assert dims.mesh_for("dp_replicate", "dp_shard").mesh_dim_names == ("dp_replicate", "dp_shard")
     assert dims.mesh_for("dp").mesh_dim_names == ("dp",)
     assert dims.mesh_for("dp_shard_cp").size() == 1
+    assert dims.fsdp_mesh().mesh_dim_names == ("dp_shard",)
     assert dims.dp_rank() == 0
     with pytest.raises(KeyError, match="unknown mesh dim"):
         dims.mesh_for("ep")

@@ -6,6 +6,7 @@ import torch
 
 from foundation.model.teacher import build_teacher
 from foundation.parallel.activation import apply_activation_checkpointing
+from foundation.parallel.compile import apply_compile
 from foundation.parallel.fsdp import find_unit_paths
 from foundation.parallel.tensor import find_linear_pairs
 from tests.test_teacher_support import CTR_SCHEMA, make_batch, tiny_config
@@ -54,3 +55,23 @@ def test_tensor_parallel_pairs_linears_separated_by_elementwise_modules_only():
         torch.nn.Linear(2, 2),
     )
     assert find_linear_pairs(torch.nn.ModuleDict({"mlp": mlp})) == [("mlp.0", "mlp.3"), ("mlp.7", "mlp.8")]
+
+
+def test_compiled_blocks_keep_names_values_and_gradients():
+    torch.set_num_threads(1)
+    batch = make_batch(CTR_SCHEMA, [0, 3, 5, 1])
+    plain, compiled = build(), build()
+    assert apply_compile(compiled, ("blocks",)) == ["blocks.0", "blocks.1"]
+    assert compiled.state_dict().keys() == plain.state_dict().keys()
+    torch._dynamo.utils.counters.clear()
+    losses = []
+    for model in (plain, compiled):
+        loss = model.loss(batch, model(batch))["loss"]
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "the blocks ran eagerly"
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    twins = dict(compiled.named_parameters())
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(twins[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -123,3 +123,18 @@ def test_eval_writes_json_and_cli_errors_are_clear(dataset, tmp_path, capsys):
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     assert main(["eval", "--ckpt", str(ckpt)]) == 2
     assert "unreadable checkpoint" in capsys.readouterr().err
+
+
+def test_resume_with_a_changed_config_continues_the_run_and_records_the_change(dataset, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", *_train_args(dataset, out, 0)[1:], "train.max_epochs=1", "train.max_steps=8"]
+    assert main(args) == 0
+    assert main([*args[:-1], "train.max_steps=16"]) == 0, capsys.readouterr().err
+    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["gem"])
+    assert len(runs) == 1, "the resumed run must continue the same MLflow run"
+    run = mlflow.get_run(runs.iloc[0]["run_id"])
+    assert run.data.params["train.max_steps"] == "8", "params stay as first logged"
+    assert run.data.tags["gem.resume.changed"] == "train.max_steps"
+    resumed = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="config_resume_1.json")).read_text())
+    assert resumed["train"]["max_steps"] == 16

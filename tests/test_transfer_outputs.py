@@ -205,3 +205,19 @@ def test_wrong_teacher_or_schema_or_job_is_refused(teacher, tmp_path):
     with pytest.raises(TeacherOutputsError, match="rows_per_shard: existing 100, requested 30"):
         write_teacher_outputs(ckpt, dataset, "valid", out, rows_per_shard=30, progress=False)
     assert pq.read_metadata(out / "part-00000.parquet").num_rows == 100
+
+
+def test_a_teacher_trained_elsewhere_is_named_by_its_run_id(teacher, tmp_path):
+    """A checkpoint copied from another machine has no ``mlflow_run_id`` beside it: the caller names the run."""
+    dataset, ckpt, _ = teacher
+    copied = tmp_path / "gpu" / "teacher.ckpt"
+    copied.parent.mkdir()
+    copied.write_bytes(ckpt.read_bytes())
+    uri = f"sqlite:///{ckpt.parents[2]}/mlflow.db"
+    kwargs = {"rows_per_shard": 64, "progress": False, "tracking_uri": uri}
+    unnamed = write_teacher_outputs(copied, dataset, "valid", tmp_path / "a", **kwargs)
+    assert unnamed["manifest"]["teacher"]["mlflow_run_id"] is None
+    named = write_teacher_outputs(copied, dataset, "valid", tmp_path / "b", run_id="run-on-the-gpu", **kwargs)
+    assert named["manifest"]["teacher"]["mlflow_run_id"] == "run-on-the-gpu"
+    tags = mlflow.MlflowClient(uri).get_run(named["run_id"]).data.tags
+    assert tags["gem.stage"] == "teacher_outputs" and tags["gem.teacher_run_id"] == "run-on-the-gpu"

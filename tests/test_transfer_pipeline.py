@@ -1,4 +1,5 @@
-"""Teacher -> teacher outputs -> students trained through the harness -> transfer report, with lineage."""
+"""Teacher -> teacher outputs -> students trained through the harness -> transfer report, with lineage;
+and ``gem pipeline``, the whole chain from the synthetic world, resumed stage by stage."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from transfer.teacher_outputs import TeacherOutputsError
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    """A tiny DLRM teacher, then a report over ``alone``, KD and AH+SA with representations (1 seed)."""
+    """A tiny DLRM teacher, then a report over ``alone``, KD, AH+SA with representations and the full stack
+    (which also shares the DLRM's tables), 1 seed."""
     root = tmp_path_factory.mktemp("transfer")
     data = write_dataset(root / "data", rows={"train": 640, "valid": 192, "test": 192}, row_group_size=64)
     uri = f"sqlite:///{root}/mlflow.db"
@@ -33,7 +35,7 @@ def pipeline(tmp_path_factory):
     cfg = ReportConfig(
         teacher_ckpt=teacher["checkpoint"],
         out_dir=str(root / "report"),
-        methods=("kd", "ah-sa-repr"),
+        methods=("kd", "ah-sa-repr", "full"),
         seeds=1,
         rows_per_shard=256,
         overrides=(*common, "train.max_steps=6", "model.student.hidden=(16,)"),
@@ -44,7 +46,7 @@ def pipeline(tmp_path_factory):
 
 def test_report_has_every_method_with_finite_ne_and_transfer_ratio(pipeline):
     report = pipeline["report"]
-    assert set(report["methods"]) == {"alone", "kd", "ah-sa-repr"}
+    assert set(report["methods"]) == {"alone", "kd", "ah-sa-repr", "full"}
     for name, method in report["methods"].items():
         for section in ("ne", "auc", "tr"):
             for key in ("click", "conversion", "click/d0"):
@@ -71,6 +73,16 @@ def test_student_runs_carry_the_teachers_lineage(pipeline):
         assert manifest["source"]["split"] == split
     alone = client.get_run(pipeline["report"]["methods"]["alone"]["runs"][0]).data.tags
     assert "gem.teacher_run_id" not in alone, "the no-transfer baseline must not read the teacher"
+    full = client.get_run(pipeline["report"]["methods"]["full"]["runs"][0]).data.tags
+    assert full["gem.shared_from"] == str(Path(pipeline["teacher"]["checkpoint"]).resolve())
+
+
+def test_full_stack_student_starts_from_the_teachers_tables_and_loads_alone(pipeline):
+    student = load_module(pipeline["report"]["methods"]["full"]["checkpoints"][0])
+    assert student.cfg.transfer.shared_dims == {"t_item_category": 16, "t_item_id": 16, "t_user_age": 16}
+    assert student.sharing.policy == "finetune_lower_lr" and len(student.sharing.new) == 3
+    kd = load_module(pipeline["report"]["methods"]["kd"]["checkpoints"][0])
+    assert kd.sharing is None
 
 
 def test_harness_rejects_outputs_of_another_split_or_teacher(pipeline):
@@ -100,3 +112,47 @@ def test_cli_validates_transfer_report_arguments(pipeline, tmp_path, capsys):
     assert "unknown transfer methods ['nope']" in capsys.readouterr().err
     assert main([*args[:-1], "kd", "--flavor", "student-debug-kd"]) == 2
     assert "must be a student with no transfer on" in capsys.readouterr().err
+
+
+SYNTH_TINY = ("num_users=300", "num_items=200", "num_examples=3000", "users_per_block=128", "num_advertisers=20",
+              "rows_per_shard=1024", "split_fractions=(0.6,0.2,0.2)")
+
+
+def test_pipeline_runs_the_debug_world_end_to_end_and_resumes(tmp_path, capsys):
+    """``gem pipeline``: a (shrunk) debug world, the GEM teacher, students on the later window, the report;
+    a rerun reuses every stage, and a lost report is rebuilt from the recorded students."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    common = [f"train.tracking_uri={uri}", "train.progress_bar=false"]
+    args = ["pipeline", "--preset", "debug", "--out", str(tmp_path / "pipe"), "--data", str(tmp_path / "world"),
+            "--methods", "full", "--seeds", "1", "--synth", *SYNTH_TINY,
+            "--teacher", *common, "train.max_steps=6", "--student", *common, "train.max_steps=4"]
+    assert main(args) == 0
+    path = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    state = json.loads((tmp_path / "pipe" / "pipeline.json").read_text())
+    assert state["stages"] == {"data": "generated", "teacher": "trained", "report": "written"}
+    report = json.loads(path.read_text())
+    assert set(report["methods"]) == {"alone", "full"}
+    assert report["student_split"] == "valid" and report["test_split"] == "test"
+    assert report["teacher"]["run_id"] == state["teacher"]["run_id"]
+    teacher = load_module(state["teacher"]["checkpoint"]).cfg.model
+    full = load_module(report["methods"]["full"]["checkpoints"][0])
+    assert teacher.arch == "teacher" and full.cfg.transfer.shared_dims["t_item_id"] == teacher.teacher.item_dim
+
+    assert main(args) == 0
+    assert Path(capsys.readouterr().out.strip().splitlines()[-1]) == path
+    state = json.loads((tmp_path / "pipe" / "pipeline.json").read_text())
+    assert state["stages"] == {"data": "reused", "teacher": "reused", "report": "reused"}
+    assert json.loads(path.read_text())["mlflow_run_id"] == report["mlflow_run_id"]
+
+    path.unlink()
+    assert main(args) == 0
+    rebuilt = json.loads(path.read_text())
+    assert json.loads((tmp_path / "pipe" / "pipeline.json").read_text())["stages"]["report"] == "written"
+    assert {m: r["runs"] for m, r in rebuilt["methods"].items()} == {m: r["runs"] for m, r in report["methods"].items()}
+
+    synth, teacher = args.index("--synth") + 1, args.index("--teacher")
+    other = [*args[:synth], *SYNTH_TINY[:-1], "split_fractions=(0.5,0.3,0.2)", *args[teacher:]]
+    assert main(other) == 2
+    assert "generated with another config (differs in ['split_fractions'])" in capsys.readouterr().err
+    assert main([*args, "--teacher-ckpt", str(tmp_path / "none.ckpt")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from foundation.cli import POLICY_CHOICES
 from foundation.config import DLRMConfig, ExperimentConfig, ModelConfig
 from foundation.data.io import CorruptFileError
-from foundation.train import RecModule
+from foundation.train import RecModule, sha256_file
 from tests.events import SCHEMA
 from transfer.sharing import (
+    POLICIES,
     ProjectedTable,
     SharingConfig,
     SharingError,
     apply_sharing,
     build_param_groups,
+    default_table_map,
     init_projection,
-    read_teacher_state,
+    read_teacher_checkpoint,
     teacher_tables,
 )
 
@@ -60,24 +64,26 @@ def _step(student: Student, groups: list[dict]) -> None:
     opt.step()
 
 
-def test_read_teacher_state_strips_the_module_prefix(teacher_ckpt):
-    state = read_teacher_state(teacher_ckpt)
+def test_read_teacher_checkpoint_strips_the_module_prefix(teacher_ckpt):
+    teacher = read_teacher_checkpoint(teacher_ckpt)
+    state = teacher.state
     assert "item_ebc.embedding_bags.t_item_id.weight" in state
     assert not any(k.startswith("model.") for k in state)
     assert sorted(teacher_tables(state)) == ["t_item_category", "t_item_id", "t_user_age"]
+    assert teacher.arch is None and teacher.sha256 == sha256_file(teacher_ckpt)
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
-        read_teacher_state(teacher_ckpt.parent / "missing.ckpt")
+        read_teacher_checkpoint(teacher_ckpt.parent / "missing.ckpt")
 
 
-def test_read_teacher_state_refuses_pickled_code(tmp_path):
+def test_read_teacher_checkpoint_refuses_pickled_code(tmp_path):
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "payload": Student()}, path)
     with pytest.raises(CorruptFileError, match="unreadable checkpoint"):
-        read_teacher_state(path)
+        read_teacher_checkpoint(path)
 
 
 def test_same_dim_tables_and_tower_are_copied_and_finetuned(teacher_ckpt):
-    state = read_teacher_state(teacher_ckpt)
+    state = read_teacher_checkpoint(teacher_ckpt).state
     student = Student()
     cfg = SharingConfig(towers={"item_tower": "item_tower"})
     result = apply_sharing(student, state, cfg)
@@ -94,7 +100,7 @@ def test_same_dim_tables_and_tower_are_copied_and_finetuned(teacher_ckpt):
 
 
 def test_projection_where_dims_differ(teacher_ckpt):
-    state = read_teacher_state(teacher_ckpt)
+    state = read_teacher_checkpoint(teacher_ckpt).state
     student = Student(item_dim=4)
     result = apply_sharing(student, state, SharingConfig(tables={"t_item_id": "t_item_id"}))
     table = student.tables["t_item_id"]
@@ -116,7 +122,7 @@ def test_projection_where_dims_differ(teacher_ckpt):
 
 
 def test_freeze_keeps_teacher_values_while_projection_learns(teacher_ckpt):
-    state = read_teacher_state(teacher_ckpt)
+    state = read_teacher_checkpoint(teacher_ckpt).state
     student = Student(item_dim=4)
     result = apply_sharing(student, state, SharingConfig(policy="freeze"))
     assert all(not p.requires_grad for p in result.shared)
@@ -133,7 +139,7 @@ def test_freeze_keeps_teacher_values_while_projection_learns(teacher_ckpt):
 
 
 def test_finetune_lower_lr_puts_shared_params_in_a_slower_group(teacher_ckpt):
-    state = read_teacher_state(teacher_ckpt)
+    state = read_teacher_checkpoint(teacher_ckpt).state
     results = {}
     for policy in ("finetune", "finetune_lower_lr"):
         torch.manual_seed(1)
@@ -150,7 +156,7 @@ def test_finetune_lower_lr_puts_shared_params_in_a_slower_group(teacher_ckpt):
 
 
 def test_missing_or_misshapen_teacher_parameters_are_named(teacher_ckpt):
-    state = read_teacher_state(teacher_ckpt)
+    state = read_teacher_checkpoint(teacher_ckpt).state
     with pytest.raises(SharingError, match=r"student table 't_user_age': teacher table 't_age' not in the checkpoint"):
         apply_sharing(Student(), state, SharingConfig(tables={"t_user_age": "t_age"}))
     with pytest.raises(SharingError, match=r"student has no table 't_nope'"):
@@ -163,3 +169,84 @@ def test_missing_or_misshapen_teacher_parameters_are_named(teacher_ckpt):
         apply_sharing(Student(), state, SharingConfig(towers={"head": "user_head"}))
     with pytest.raises(ValueError, match="unknown sharing policy 'thaw'"):
         SharingConfig(policy="thaw")
+
+
+def test_default_table_map_translates_the_item_table_of_each_arch():
+    student_tables = ["t_user_age", "t_item_category", "t_item_id"]
+    assert default_table_map(student_tables, "student", "dlrm") == {t: t for t in student_tables}
+    assert default_table_map(student_tables, "student", "teacher") == {
+        "t_user_age": "t_user_age", "t_item_category": "t_item_category", "t_item_id": "t_item",
+    }
+    with pytest.raises(SharingError, match=r"no table-name map for model.arch 'hstu'.*transfer.share_tables"):
+        default_table_map(student_tables, "student", "hstu")
+    with pytest.raises(SharingError, match=r"does not name its model\.arch"):
+        default_table_map(student_tables, "student", None)
+
+
+def _module(arch: str, **transfer) -> RecModule:
+    """A RecModule of ``arch`` on the test schema (teacher: the debug GEM config; tables wider than the
+    student's 8, so they are projected), with ``transfer`` fields set."""
+    cfg = ExperimentConfig(model=ModelConfig(arch=arch, dlrm=DLRMConfig(embedding_dim=12, repr_dim=6)))
+    for key, value in transfer.items():
+        setattr(cfg.transfer, key, value)
+    return RecModule(cfg.to_dict(), json.loads(SCHEMA.to_json()))
+
+
+def _save(module: RecModule, path) -> str:
+    """Save as the harness does: ``state_dict`` with ``model.`` keys and the config in ``hyper_parameters``."""
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("teacher_arch, item_table", [("dlrm", "t_item_id"), ("teacher", "t_item")])
+def test_harness_shares_from_either_teacher_arch_and_loads_without_it(tmp_path, teacher_arch, item_table):
+    torch.manual_seed(0)
+    teacher = _save(_module(teacher_arch), tmp_path / "teacher.ckpt")
+    teacher_state = read_teacher_checkpoint(teacher).state
+    teacher_item = teacher_tables(teacher_state)[item_table]
+    student = _module("student", share_from=teacher, share_policy="finetune_lower_lr", share_lr_scale=0.25)
+    tables = student.model.tables
+    assert sorted(student.sharing.report) == ["t_item_category", "t_item_id", "t_user_age"]
+    assert student.sharing.report["t_item_id"]["teacher_table"] == item_table
+    assert torch.equal(tables["t_item_id"].table.weight, teacher_item)
+    # The teacher dims are recorded in the config the checkpoint keeps.
+    recorded = student.hparams["config"]["transfer"]["shared_dims"]
+    assert recorded == {name: teacher_tables(teacher_state)[r["teacher_table"]].shape[1]
+                        for name, r in student.sharing.report.items()}
+
+    optimizer = student.configure_optimizers()
+    lrs = {g["name"]: g["lr"] for g in optimizer.param_groups}
+    assert lrs == {"student": student.cfg.train.lr, "shared": pytest.approx(0.25 * student.cfg.train.lr)}
+    shared = {id(p) for p in optimizer.param_groups[1]["params"]}
+    assert shared == {id(p) for p in student.sharing.shared} and id(tables["t_item_id"].table.weight) in shared
+
+    # A trained student loads (e.g. for serving) from its own checkpoint once the teacher file is gone.
+    with torch.no_grad():
+        tables["t_item_id"].table.weight.add_(1.0)
+    saved = _save(student, tmp_path / "student.ckpt")
+    Path(teacher).unlink()
+    ckpt = torch.load(saved, weights_only=True)
+    loaded = RecModule(ckpt["hyper_parameters"]["config"], ckpt["hyper_parameters"]["schema"], from_checkpoint=True)
+    loaded.load_state_dict(ckpt["state_dict"])
+    assert torch.equal(loaded.model.tables["t_item_id"].table.weight, teacher_item + 1.0)
+
+
+def test_harness_sharing_errors_name_the_checkpoint_and_table(tmp_path):
+    torch.manual_seed(0)
+    teacher = _save(_module("teacher"), tmp_path / "teacher.ckpt")
+    with pytest.raises(SharingError, match=r"teacher.ckpt \(model.arch='teacher'\): student table 't_item_id': "
+                                           r"teacher table 't_item_id' not in the checkpoint"):
+        _module("student", share_from=teacher, share_tables={"t_item_id": "t_item_id"})
+    # A teacher of another world: its item table has other rows than the student's id space.
+    other = ExperimentConfig(model=ModelConfig(arch="dlrm"))
+    wide = json.loads(SCHEMA.to_json()) | {"num_items": 80}
+    dlrm = _save(RecModule(other.to_dict(), wide), tmp_path / "other.ckpt")
+    with pytest.raises(SharingError, match=r"other.ckpt .*table 't_item_id': teacher has 80 rows, student 40"):
+        _module("student", share_from=dlrm)
+    with pytest.raises(SharingError, match="share from the same teacher"):
+        _module("student", share_from=teacher, checkpoint_sha256="0" * 64)
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        _module("student", share_from=str(tmp_path / "missing.ckpt"))
+    with pytest.raises(ValueError, match="unknown sharing policy 'thaw'"):
+        _module("student", share_from=teacher, share_policy="thaw")
+    assert POLICY_CHOICES == POLICIES, "the CLI offers exactly the sharing policies"

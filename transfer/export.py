@@ -15,6 +15,15 @@ Layout of a store::
         items.npy, item_ids.npy, item_timestamps.npy, item_fingerprints.npy, item_updated_version.npy
                            the same for every candidate item (item-side inputs of its latest row)
         items.faiss, index.json    the retrieval index over ``items.npy`` (:mod:`transfer.index`)
+        user_feat_{name}_offsets.npy / _values.npy   serving features of the same latest row (below)
+        user_history_offsets.npy / _values.npy, user_dense.npy, item_feat_{name}_offsets.npy / _values.npy
+
+Serving features: a value model scored at serving time (:mod:`value_models.serving`) needs the raw inputs
+of the row each vector came from, so every version also stores them, in the same row order as the ids:
+each side's multi-hot features as jagged ``(offsets[n+1] int64, values[N] int64)``, the user's
+``feature_history_len`` most recent history item ids (jagged the same way) and the user's dense features
+``[U, D]`` float32. Features are cheap (no model), so they are always taken from the latest rows, also in
+an incremental refresh; the manifest's ``features`` entry lists them with the kept history length.
 
 Publishing: everything is written into a hidden temp dir under the store, fsynced, renamed to
 ``v{N:06d}`` (one atomic step; readers never see a partial version) and only then is ``LATEST``
@@ -42,21 +51,22 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import mlflow
 import numpy as np
 import pyarrow as pa
 import torch
 
 from foundation.data.io import atomic_write_text, fsync_dir, iter_valid_row_groups, list_shards, open_shard
-from foundation.data.pipeline import RowBlock, build_batch, table_to_block
+from foundation.data.pipeline import RowBlock, _gather_jagged, build_batch, table_to_block
 from foundation.data.schema import HISTORY_FIELDS, SCHEMA_FILE, EventSchema
 from foundation.train import RecModule, load_module, sha256_file
 from transfer.index import INDEX_FILE, INDEX_META_FILE, ItemIndex, build_index, load_index, save_index
+from transfer.lineage import log_lineage_run
 from transfer.teacher_outputs import teacher_run_id
 
 MANIFEST_FILE = "manifest.json"
@@ -69,6 +79,8 @@ REPR = {"user": "user_repr", "item": "item_repr"}
 ARRAY_NAMES = {side: {"vectors": f"{side}s", "ids": f"{side}_ids", "timestamps": f"{side}_timestamps",
                       "fingerprints": f"{side}_fingerprints", "updated_version": f"{side}_updated_version"}
                for side in SIDES}
+# History items kept per user for serving-time features; a student's history_len must not exceed it.
+FEATURE_HISTORY_LEN = 64
 # splitmix64 finaliser constants: cheap, well-mixed 64-bit hashing in vectorised numpy.
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -121,12 +133,18 @@ class EmbeddingStore:
     def side(self, side: str, key: str) -> np.ndarray:
         return self.arrays[ARRAY_NAMES[side][key]]
 
-    def _lookup(self, side: str, ids) -> tuple[np.ndarray, np.ndarray]:
+    def rows(self, side: str, ids) -> tuple[np.ndarray, np.ndarray]:
+        """``ids[B]`` -> ``(rows[B] int64, found[B] bool)``: each id's row in this version's arrays (0 if unknown)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        known, vectors = self.side(side, "ids"), self.side(side, "vectors")
+        known = self.side(side, "ids")
         rows = np.minimum(np.searchsorted(known, ids), max(len(known) - 1, 0))
         found = known[rows] == ids if len(known) else np.zeros(len(ids), bool)
-        out = np.zeros((len(ids), vectors.shape[1]), np.float32)
+        return rows, found
+
+    def _lookup(self, side: str, ids) -> tuple[np.ndarray, np.ndarray]:
+        rows, found = self.rows(side, ids)
+        vectors = self.side(side, "vectors")
+        out = np.zeros((len(rows), vectors.shape[1]), np.float32)
         out[found] = vectors[rows[found]]
         return out, found
 
@@ -279,6 +297,29 @@ def fingerprints(block: RowBlock, schema: EventSchema, side: str) -> np.ndarray:
     return h
 
 
+# -- serving features -----------------------------------------------------------------------------
+
+
+def _jagged_arrays(offsets: np.ndarray, values: np.ndarray, keep_last: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of a jagged column, each cut to its ``keep_last`` most recent values: ``(offsets, values)`` int64."""
+    lengths, kept = _gather_jagged(offsets, values, np.arange(len(offsets) - 1), keep_last)
+    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), kept.astype(np.int64)
+
+
+def feature_arrays(block: RowBlock, schema: EventSchema, side: str, history_len: int) -> dict[str, np.ndarray]:
+    """The serving features of ``block``'s rows (module doc), keyed by file stem, e.g. ``user_feat_age_offsets``."""
+    out: dict[str, np.ndarray] = {}
+    for f in schema.sparse:
+        if f.side == side:
+            offsets, values = _jagged_arrays(*block.jagged[f.name], None)
+            out[f"{side}_feat_{f.name}_offsets"], out[f"{side}_feat_{f.name}_values"] = offsets, values
+    if side == "user":
+        history = _jagged_arrays(*block.jagged["history_item_ids"], history_len)
+        out["user_history_offsets"], out["user_history_values"] = history
+        out["user_dense"] = np.ascontiguousarray(block.dense, dtype=np.float32)
+    return out
+
+
 # -- computing ------------------------------------------------------------------------------------
 
 
@@ -300,12 +341,15 @@ def refresh_side(
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one side for ``version``: rows whose fingerprint matches ``parent`` are copied, others computed.
 
-    Returns ``(arrays by key, {"recomputed", "copied"})``; with no parent every row is computed.
+    Returns ``(arrays by key, {"recomputed", "copied"}, seconds spent in the model)``; with no parent every
+    row is computed.
     """
     block, ids = latest.blocks[side], latest.ids(side)
     prints = fingerprints(block, module.schema, side)
     same, pos = _unchanged(parent, side, ids, prints)
+    t0 = time.perf_counter()
     computed = embed_rows(module, block, np.flatnonzero(~same), side, batch_size, device)
+    model_seconds = time.perf_counter() - t0
     dims = computed.shape[1] if len(computed) else (parent.side(side, "vectors").shape[1] if parent else 0)
     if parent is not None and parent.side(side, "vectors").shape[1] != dims:
         raise StoreError(f"{parent.path}: {side} vectors have d={parent.side(side, 'vectors').shape[1]}, the model gives d={dims}")
@@ -318,7 +362,7 @@ def refresh_side(
         updated[same] = parent.side(side, "updated_version")[pos[same]]
     arrays = {"vectors": vectors, "ids": ids, "timestamps": block.scalars["timestamp"], "fingerprints": prints,
               "updated_version": updated}
-    return arrays, {"recomputed": int((~same).sum()), "copied": int(same.sum())}
+    return arrays, {"recomputed": int((~same).sum()), "copied": int(same.sum())}, model_seconds
 
 
 def _unchanged(parent: EmbeddingStore | None, side: str, ids: np.ndarray, prints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -376,7 +420,13 @@ def _publish(root: Path, tmp: Path, version: int) -> Path:
 
 
 def _write_version(
-    root: Path, sides: dict[str, dict[str, np.ndarray]], manifest: dict, *, with_index: bool, index_factory: str | None
+    root: Path,
+    sides: dict[str, dict[str, np.ndarray]],
+    features: dict[str, np.ndarray],
+    manifest: dict,
+    *,
+    with_index: bool,
+    index_factory: str | None,
 ) -> Path:
     """Write a version's arrays, its item index (``with_index``) and manifest into a temp dir, then publish it.
 
@@ -390,6 +440,8 @@ def _write_version(
         for side, arrays in sides.items():
             for key, array in arrays.items():
                 _save_array(tmp, ARRAY_NAMES[side][key], array)
+        for name, array in features.items():
+            _save_array(tmp, name, array)
         manifest["index"] = None
         if with_index and len(sides["item"]["ids"]):
             item_index = build_index(sides["item"]["vectors"], sides["item"]["ids"], factory=index_factory)
@@ -457,11 +509,13 @@ def export_embeddings(
     build_retrieval_index: bool = True,
     batch_size: int | None = None,
     device: str | None = None,
+    feature_history_len: int = FEATURE_HISTORY_LEN,
 ) -> dict:
     """Compute and publish a new store version (module doc); ``since`` makes it an incremental refresh.
 
     Returns ``{"version", "path", "parent", "mode", "users", "items", "users_recomputed",
-    "users_copied", "items_recomputed", "items_copied", "deleted", "manifest"}`` (+ ``"run_id"`` with
+    "users_copied", "items_recomputed", "items_copied", "deleted", "seconds" (per phase), "manifest"}``
+    (+ ``"run_id"`` with
     ``tracking_uri``).
     """
     ckpt_path, dataset_dir, root = Path(ckpt_path), Path(dataset_dir).resolve(), Path(store_root)
@@ -475,8 +529,11 @@ def export_embeddings(
         if parent is not None:
             _check_parent(parent, manifest)
         version = max(list_versions(root), default=0) + 1
+        t0 = time.perf_counter()
         latest = select_latest(dataset_dir, tuple(splits), module.schema)
+        t1 = time.perf_counter()
         sides = {side: refresh_side(module, latest, side, parent, version, batch_size, device) for side in SIDES}
+        t2 = time.perf_counter()
         manifest.update(
             version=version,
             parent=since,
@@ -486,12 +543,22 @@ def export_embeddings(
             rows={side: len(latest.ids(side)) for side in SIDES},
             refresh={f"{side}s_{k}": v for side in SIDES for k, v in sides[side][1].items()},
         )
-        arrays = {side: side_arrays for side, (side_arrays, _) in sides.items()}
-        path = _write_version(root, arrays, manifest, with_index=build_retrieval_index, index_factory=index_factory)
+        features = {k: v for side in SIDES for k, v in feature_arrays(latest.blocks[side], module.schema, side,
+                                                                       feature_history_len).items()}
+        manifest["features"] = {"history_len": feature_history_len, "dense_dim": module.schema.dense_dim,
+                                **{side: [f.name for f in module.schema.sparse if f.side == side] for side in SIDES}}
+        arrays = {side: side_arrays for side, (side_arrays, _, _) in sides.items()}
+        path = _write_version(
+            root, arrays, features, manifest, with_index=build_retrieval_index, index_factory=index_factory
+        )
         deleted = apply_retention(root, retention) if retention is not None else []
+    # Wall seconds per phase; "model" (the forward passes over changed rows) is the one that scales with the
+    # changes, "select" (id scan, reading latest rows) and "fingerprint" (hashing every entity's inputs) do not.
+    model = sum(seconds for _, _, seconds in sides.values())
+    seconds = {"select": t1 - t0, "fingerprint": t2 - t1 - model, "model": model, "write": time.perf_counter() - t2}
     report = {"version": version, "path": str(path), "parent": since, "mode": manifest["mode"],
               "users": manifest["rows"]["user"], "items": manifest["rows"]["item"], **manifest["refresh"],
-              "deleted": deleted, "manifest": manifest}
+              "deleted": deleted, "seconds": seconds, "manifest": manifest}
     if tracking_uri:
         report["run_id"] = log_to_mlflow(report, tracking_uri)
     return report
@@ -500,21 +567,17 @@ def export_embeddings(
 def log_to_mlflow(report: dict, tracking_uri: str, experiment: str = "gem") -> str:
     """Record a published version as an MLflow run; tags carry lineage (teacher run, checkpoint, version)."""
     manifest = report["manifest"]
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=f"export-{version_name(report['version'])}") as run:
-        mlflow.set_tags(
-            {
-                "gem.stage": "export",
-                "gem.teacher_run_id": manifest["teacher"]["mlflow_run_id"] or "",
-                "gem.checkpoint_sha256": manifest["teacher"]["checkpoint_sha256"],
-                "gem.export_version": str(report["version"]),
-                "gem.export_parent": "" if report["parent"] is None else str(report["parent"]),
-            }
-        )
-        mlflow.log_params({"version": report["version"], "parent": report["parent"], "mode": report["mode"],
-                           "store": str(Path(report["path"]).parent), "splits": ",".join(manifest["source"]["splits"])})
-        mlflow.log_metrics({k: float(report[k]) for k in ("users", "items", "users_recomputed", "users_copied",
-                                                           "items_recomputed", "items_copied")})
-        mlflow.log_dict(manifest, MANIFEST_FILE)
-        return run.info.run_id
+    return log_lineage_run(
+        stage="export",
+        run_name=f"export-{version_name(report['version'])}",
+        teacher=manifest["teacher"],
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        tags={"export_version": report["version"],
+              "export_parent": "" if report["parent"] is None else report["parent"]},
+        params={"version": report["version"], "parent": report["parent"], "mode": report["mode"],
+                "store": str(Path(report["path"]).parent), "splits": ",".join(manifest["source"]["splits"])},
+        metrics={k: report[k] for k in ("users", "items", "users_recomputed", "users_copied", "items_recomputed",
+                                        "items_copied")},
+        documents={MANIFEST_FILE: manifest},
+    )

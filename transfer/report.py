@@ -5,7 +5,8 @@
 1. teacher outputs for the students' train, validation and test splits, under ``DIR/teacher_outputs/<split>``
    (:func:`transfer.teacher_outputs.write_teacher_outputs`; finished shards are reused on a rerun);
 2. one student per method (:data:`experiments.flavors.STUDENT_METHODS`) and seed, trained through the
-   harness (:func:`foundation.train.train`) with ``transfer.teacher_outputs`` pointing at those outputs;
+   harness (:func:`foundation.train.train`) with ``transfer.teacher_outputs`` pointing at those outputs
+   and, for :data:`experiments.flavors.SHARING_METHODS`, ``transfer.share_from`` at the teacher checkpoint;
    ``alone`` gets none: it is the no-transfer baseline;
 3. NE and AUC per task, overall and per domain, on the test split, for the teacher and every student;
 4. per method and seed, the transfer ratio of each NE (DESIGN.md), against ``alone`` of the same seed::
@@ -15,7 +16,9 @@
    then mean and spread (sample std; 0 for one seed) over seeds. TR is NaN where the teacher's NE
    equals the baseline's (no gain to transfer).
 
-Students are trained afresh on every run; the teacher outputs are reused. The results go to
+Finished students are recorded in ``DIR/students.json`` (config digest, checkpoint sha256, test metrics); a
+rerun reuses every student whose config and checkpoint still match and trains the rest, and finished
+teacher-output shards are reused, so an interrupted report resumes. The results go to
 ``DIR/transfer_report.json``, ``transfer_report.md`` and ``transfer_report.png``, which
 are also MLflow artifacts of a ``transfer_report`` run tagged with the teacher's run id and checkpoint.
 
@@ -27,25 +30,34 @@ the later window ``valid``, with teacher outputs computed for it, validate and t
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow
 import numpy as np
 
-from experiments.flavors import STUDENT_METHODS, get_flavor, repr_overrides
-from foundation.config import ExperimentConfig, TransferConfig, apply_overrides
+from experiments.flavors import (
+    SHARING_METHODS,
+    STUDENT_METHODS,
+    get_flavor,
+    repr_overrides,
+    sharing_overrides,
+)
+from foundation.config import ExperimentConfig, apply_overrides
 from foundation.data.io import atomic_write_text
 from foundation.data.schema import TASKS
-from foundation.train import evaluate, load_module, tracking_uri, train
+from foundation.train import evaluate, load_module, sha256_file, tracking_uri, train
+from transfer.lineage import log_lineage_run
+from transfer.sharing import POLICIES
 from transfer.teacher_outputs import OutputSchema, write_teacher_outputs
 
 BASELINE = "alone"
 REPORT_JSON = "transfer_report.json"
 REPORT_MD = "transfer_report.md"
 REPORT_PNG = "transfer_report.png"
+LEDGER_FILE = "students.json"
 # The test-set metrics the report keeps: ``{task}/ne``, ``{task}/auc`` and their ``/d{k}`` per domain.
 _METRIC_KEY = re.compile(rf"^(?:{'|'.join(TASKS)})/(ne|auc)(?:/d\d+)?$")
 
@@ -57,6 +69,10 @@ class ReportConfig:
     ``data_path`` defaults to the teacher's dataset; ``flavor`` is a student flavor and ``overrides``
     apply to it (e.g. ``train.max_steps=50``); ``methods`` are keys of ``STUDENT_METHODS`` (``alone``,
     the baseline, is always run); ``student_split`` is the split the students train on.
+    ``teacher_run_id`` names the teacher's MLflow run when it is not recorded beside the checkpoint (a
+    teacher trained elsewhere); ``share_policy`` / ``share_lr_scale`` configure the sharing methods. Their
+    default, ``finetune_lower_lr``, because fine-tuning the teacher's tables (and their projection) at the full
+    learning rate overfits a student trained on a short later window (``docs/benchmarks.md``).
     """
 
     teacher_ckpt: str
@@ -68,6 +84,9 @@ class ReportConfig:
     student_split: str = "train"
     rows_per_shard: int = 65536
     overrides: tuple[str, ...] = ()
+    teacher_run_id: str = ""
+    share_policy: str = "finetune_lower_lr"
+    share_lr_scale: float = 0.1
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in STUDENT_METHODS]
@@ -75,6 +94,8 @@ class ReportConfig:
             raise ValueError(f"unknown transfer methods {unknown}; known: {sorted(STUDENT_METHODS)}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be at least 1, got {self.seeds}")
+        if self.share_policy not in POLICIES:
+            raise ValueError(f"unknown sharing policy {self.share_policy!r}; choose one of {POLICIES}")
         self.methods = (BASELINE, *(m for m in self.methods if m != BASELINE))
         baseline_flavor(self.flavor, self.overrides)
 
@@ -83,7 +104,8 @@ def baseline_flavor(flavor: str, overrides: tuple[str, ...]) -> ExperimentConfig
     """The student flavor with ``overrides``; it is the ``alone`` baseline, so no transfer may be on."""
     cfg = apply_overrides(get_flavor(flavor), list(overrides))
     student = cfg.model.student
-    if cfg.model.arch != "student" or student.distill != "none" or student.teacher_repr or cfg.transfer.teacher_outputs:
+    transfer = cfg.transfer.teacher_outputs or cfg.transfer.share_from
+    if cfg.model.arch != "student" or student.distill != "none" or student.teacher_repr or transfer:
         raise ValueError(f"flavor {flavor!r} must be a student with no transfer on (e.g. student-debug)")
     return cfg
 
@@ -116,23 +138,50 @@ def write_split_outputs(cfg: ReportConfig, data_path: str, splits: tuple[str, ..
     for split in splits:
         out = Path(cfg.out_dir) / "teacher_outputs" / split
         stats = write_teacher_outputs(
-            cfg.teacher_ckpt, data_path, split, out, rows_per_shard=cfg.rows_per_shard, progress=False, tracking_uri=uri
+            cfg.teacher_ckpt, data_path, split, out, rows_per_shard=cfg.rows_per_shard, progress=False,
+            tracking_uri=uri, run_id=cfg.teacher_run_id or None,
         )
         dirs[split], manifest = str(out), stats["manifest"]
     return dirs, manifest
 
 
-def student_config(base: ExperimentConfig, method: str, seed: int, dirs: dict[str, str], manifest: dict) -> ExperimentConfig:
-    """``base`` with ``method`` on, seeded; every method but ``alone`` reads the teacher outputs ``dirs``."""
+def student_config(
+    base: ExperimentConfig, method: str, seed: int, dirs: dict[str, str], manifest: dict, share: tuple[str, ...] = ()
+) -> ExperimentConfig:
+    """``base`` with ``method`` on, seeded; every method but ``alone`` reads the teacher outputs ``dirs``
+    (so its run carries the teacher's lineage) and the sharing methods also apply the ``share`` overrides."""
     cfg = apply_overrides(copy.deepcopy(base), list(STUDENT_METHODS[method]))
     if cfg.model.student.teacher_repr:
         schema = OutputSchema.from_dict(manifest["schema"])
         apply_overrides(cfg, list(repr_overrides(schema.user_repr_dim or 0, schema.item_repr_dim or 0)))
+    if method in SHARING_METHODS:
+        apply_overrides(cfg, list(share))
     cfg.name = f"{base.name}-{method}-{base.data.train_split}-s{seed}"
     cfg.train.seed = cfg.data.seed = seed
     if method != BASELINE:
-        cfg.transfer = TransferConfig(teacher_outputs=dict(dirs), checkpoint_sha256=manifest["teacher"]["checkpoint_sha256"])
+        cfg.transfer.teacher_outputs = dict(dirs)
+        cfg.transfer.checkpoint_sha256 = manifest["teacher"]["checkpoint_sha256"]
     return cfg
+
+
+def config_digest(cfg: ExperimentConfig) -> str:
+    """sha256 of the resolved config: a ledger entry is reused only for the very same student."""
+    return hashlib.sha256(cfg.to_json().encode()).hexdigest()
+
+
+def load_ledger(out_dir: Path) -> dict[str, dict]:
+    """Finished students of earlier runs of this report, by run name (empty when there are none)."""
+    path = out_dir / LEDGER_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def reusable_student(ledger: dict[str, dict], cfg: ExperimentConfig) -> dict | None:
+    """The ledger entry of ``cfg`` if it was trained with this config and its checkpoint is unchanged."""
+    entry = ledger.get(cfg.name)
+    if entry is None or entry["config_sha256"] != config_digest(cfg):
+        return None
+    ckpt = Path(entry["checkpoint"])
+    return entry if ckpt.is_file() and sha256_file(ckpt) == entry["checkpoint_sha256"] else None
 
 
 def split_metrics(ckpt: str, split: str, data_path: str | None = None) -> dict[str, float]:
@@ -231,13 +280,30 @@ def plot_ratios(report: dict, path: Path) -> None:
 
 
 def train_students(cfg: ReportConfig, base: ExperimentConfig, dirs: dict[str, str], manifest: dict) -> dict[str, list[dict]]:
-    """Method -> per seed ``{"run_id", "checkpoint", "metrics"}`` with test-split NE/AUC."""
+    """Method -> per seed ``{"run_id", "checkpoint", "metrics"}`` with test-split NE/AUC.
+
+    Students already in the ledger (module doc) are reused; each newly trained one is added to it at once.
+    """
+    out = Path(cfg.out_dir)
+    ledger = load_ledger(out)
+    share = sharing_overrides(str(Path(cfg.teacher_ckpt).resolve()), cfg.share_policy, cfg.share_lr_scale)
     runs: dict[str, list[dict]] = {m: [] for m in cfg.methods}
     for seed in range(cfg.seeds):
         for method in cfg.methods:
-            trained = train(student_config(base, method, seed, dirs, manifest), resume=False)
-            metrics = split_metrics(trained["checkpoint"], base.data.test_split)
-            runs[method].append({"run_id": trained["run_id"], "checkpoint": trained["checkpoint"], "metrics": metrics})
+            student = student_config(base, method, seed, dirs, manifest, share)
+            entry = reusable_student(ledger, student)
+            if entry is None:
+                trained = train(student, resume=False)
+                entry = {
+                    "config_sha256": config_digest(student),
+                    "run_id": trained["run_id"],
+                    "checkpoint": trained["checkpoint"],
+                    "checkpoint_sha256": trained["checkpoint_sha256"],
+                    "metrics": split_metrics(trained["checkpoint"], base.data.test_split),
+                }
+                ledger[student.name] = entry
+                atomic_write_text(out / LEDGER_FILE, json.dumps(ledger, indent=2, sort_keys=True))
+            runs[method].append({k: entry[k] for k in ("run_id", "checkpoint", "metrics")})
     return runs
 
 
@@ -270,23 +336,22 @@ def build_report(cfg: ReportConfig, base: ExperimentConfig, manifest: dict, teac
 
 def log_report(report: dict, files: list[Path], uri: str, experiment: str) -> str:
     """An MLflow ``transfer_report`` run with the files as artifacts and TR means as metrics."""
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name="transfer-report") as run:
-        mlflow.set_tags(
-            {
-                "gem.stage": "transfer_report",
-                "gem.teacher_run_id": report["teacher"]["run_id"] or "",
-                "gem.checkpoint_sha256": report["teacher"]["checkpoint_sha256"],
-                "gem.dataset": report["dataset"],
-            }
-        )
-        for method, summary in report["methods"].items():
-            tr = {f"tr/{method}/{k}": v["mean"] for k, v in summary["tr"].items() if np.isfinite(v["mean"])}
-            mlflow.log_metrics(tr)
-        for path in files:
-            mlflow.log_artifact(str(path))
-        return run.info.run_id
+    teacher = {"mlflow_run_id": report["teacher"]["run_id"], "checkpoint_sha256": report["teacher"]["checkpoint_sha256"]}
+    metrics = {
+        f"tr/{method}/{key}": stat["mean"]
+        for method, summary in report["methods"].items()
+        for key, stat in summary["tr"].items()
+    }
+    return log_lineage_run(
+        stage="transfer_report",
+        run_name="transfer-report",
+        teacher=teacher,
+        tracking_uri=uri,
+        experiment=experiment,
+        tags={"dataset": report["dataset"]},
+        metrics=metrics,
+        artifacts=files,
+    )
 
 
 def run_transfer_report(cfg: ReportConfig) -> Path:

@@ -1,9 +1,11 @@
 """Parameter sharing: start a student's embedding tables (and optionally towers) from a teacher checkpoint.
 
-Tables are matched by name: a student keeps its tables in an ``nn.ModuleDict`` (``student.tables``
-by default) of ``nn.Embedding`` / ``nn.EmbeddingBag`` named like the teacher's torchrec tables
-(``t_<feature>``, e.g. ``t_age_bucket``; the DLRM item table is ``t_item_id``, the GEM teacher's
-``t_item``); :attr:`SharingConfig.tables` maps names that differ. Where the embedding dims differ,
+Tables are matched by feature: a student keeps its tables in an ``nn.ModuleDict`` (``student.tables``
+by default) of ``nn.Embedding`` / ``nn.EmbeddingBag``. Every architecture names a categorical feature's
+table ``t_<feature>`` (e.g. ``t_age_bucket``), but the item-id table's name differs: ``t_item_id`` in the
+DLRM and the student, ``t_item`` in the GEM teacher (:data:`ITEM_TABLES`). :func:`default_table_map`
+translates through the feature, so a student shares from either teacher arch without configuration;
+:attr:`SharingConfig.tables` (``transfer.share_tables``) overrides it. Where the embedding dims differ,
 the student's table becomes the teacher's table followed by a learned projection
 (:class:`ProjectedTable`). A policy then says what training may do to the teacher's parameters:
 
@@ -11,41 +13,96 @@ the student's table becomes the teacher's table followed by a learned projection
 - ``finetune``: they train like the rest of the student;
 - ``finetune_lower_lr``: they train at ``lr_scale`` times the student's learning rate.
 
-All checkpoint reading goes through :func:`read_teacher_state`, so a reader for sharded (DCP)
+All checkpoint reading goes through :func:`read_teacher_checkpoint`, so a reader for sharded (DCP)
 checkpoints only has to be added there.
+
+In training, :class:`foundation.train.RecModule` applies sharing when ``transfer.share_from`` is set
+(:func:`share_from_config`) and records each shared table's teacher dim in ``transfer.shared_dims``;
+loading the trained student rebuilds that layout from the record alone (:func:`restore_shared_layout`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from foundation.train import load_checkpoint_file
+from foundation.config import TransferConfig
+from foundation.model.embeddings import ITEM_TABLE as GEM_ITEM_TABLE
+from foundation.train import load_checkpoint_file, sha256_file
+from value_models.student import ITEM_TABLE as STUDENT_ITEM_TABLE
 
 POLICIES = ("freeze", "finetune", "finetune_lower_lr")
 # torchrec keeps a collection's tables at ``<collection>.embedding_bags.<table>.weight`` (pooled) or
 # ``<collection>.embeddings.<table>.weight`` (sequence); both are embedding tables to a student.
 _TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 _MODULE_PREFIX = "model."
+ITEM_FEATURE = "item_id"
+# The item-id table of each ``model.arch``; every other table is ``t_<feature>`` in all of them.
+# (The DLRM's is named in ``foundation.model.baseline``.)
+ITEM_TABLES: dict[str, str] = {"dlrm": "t_item_id", "teacher": GEM_ITEM_TABLE, "student": STUDENT_ITEM_TABLE}
 
 
 class SharingError(ValueError):
     """A teacher parameter a student asked for is missing or has the wrong shape; the message names it."""
 
 
-def read_teacher_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """A teacher checkpoint's parameters by model-relative name (``weights_only=True``, no pickle code).
+@dataclass
+class TeacherCheckpoint:
+    """A teacher checkpoint as sharing sees it: its parameters by model-relative name, its ``model.arch``
+    (None for a bare state dict) and its sha256."""
+
+    path: Path
+    sha256: str
+    arch: str | None
+    state: dict[str, torch.Tensor]
+
+
+def read_teacher_checkpoint(path: str | Path) -> TeacherCheckpoint:
+    """Read a teacher checkpoint (``weights_only=True``, no pickle code); the one reader of teacher parameters.
 
     Accepts a Lightning checkpoint of :class:`foundation.train.RecModule` (whose keys start with
-    ``model.``) or a bare state dict.
+    ``model.`` and whose hyper-parameters name the arch) or a bare state dict.
     """
     ckpt = load_checkpoint_file(path)
     state = ckpt.get("state_dict", ckpt)
-    return {k.removeprefix(_MODULE_PREFIX): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    config = (ckpt.get("hyper_parameters") or {}).get("config") or {}
+    return TeacherCheckpoint(
+        path=Path(path),
+        sha256=sha256_file(path),
+        arch=config.get("model", {}).get("arch"),
+        state={k.removeprefix(_MODULE_PREFIX): v for k, v in state.items() if isinstance(v, torch.Tensor)},
+    )
+
+
+def feature_of_table(table: str, arch: str) -> str:
+    """The feature a table of ``arch`` embeds: ``item_id`` for its item table, else the name after ``t_``."""
+    return ITEM_FEATURE if table == _item_table(arch) else table.removeprefix("t_")
+
+
+def table_of_feature(feature: str, arch: str) -> str:
+    """The name ``arch`` gives the table of ``feature``."""
+    return _item_table(arch) if feature == ITEM_FEATURE else f"t_{feature}"
+
+
+def _item_table(arch: str) -> str:
+    if arch not in ITEM_TABLES:
+        raise SharingError(
+            f"no table-name map for model.arch {arch!r} (known: {sorted(ITEM_TABLES)}); "
+            "map tables explicitly with transfer.share_tables"
+        )
+    return ITEM_TABLES[arch]
+
+
+def default_table_map(student_tables: Iterable[str], student_arch: str, teacher_arch: str | None) -> dict[str, str]:
+    """Student table -> the teacher table of the same feature, e.g. ``{"t_item_id": "t_item"}`` from a GEM teacher."""
+    if teacher_arch is None:
+        raise SharingError("the teacher checkpoint does not name its model.arch; map tables with transfer.share_tables")
+    return {name: table_of_feature(feature_of_table(name, student_arch), teacher_arch) for name in student_tables}
 
 
 def teacher_tables(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -92,12 +149,13 @@ class ProjectedTable(nn.Module):
     ``[..., d_s]``, so it replaces the student's table in place.
     """
 
-    def __init__(self, table: nn.Embedding | nn.EmbeddingBag, out_dim: int) -> None:
+    def __init__(self, table: nn.Embedding | nn.EmbeddingBag, out_dim: int, *, init_from_table: bool = True) -> None:
         super().__init__()
         self.table = table
         self.proj = nn.Linear(table.embedding_dim, out_dim, bias=False)
-        with torch.no_grad():
-            self.proj.weight.copy_(init_projection(table.weight, out_dim))
+        if init_from_table:
+            with torch.no_grad():
+                self.proj.weight.copy_(init_projection(table.weight, out_dim))
 
     @property
     def embedding_dim(self) -> int:
@@ -141,6 +199,11 @@ class SharingResult:
     shared: list[nn.Parameter]
     new: list[nn.Parameter]
     report: dict[str, dict]
+
+    @property
+    def table_dims(self) -> dict[str, int]:
+        """Student table -> the teacher dim it was built from (what :func:`restore_shared_layout` needs)."""
+        return {name: r["teacher_shape"][1] for name, r in self.report.items() if "teacher_shape" in r}
 
 
 def apply_sharing(student: nn.Module, teacher_state: dict[str, torch.Tensor], cfg: SharingConfig) -> SharingResult:
@@ -236,3 +299,70 @@ def build_param_groups(student: nn.Module, result: SharingResult, lr: float) -> 
     elif result.policy == "finetune_lower_lr":
         groups.append({"name": "shared", "params": list(result.shared), "lr": lr * result.lr_scale})
     return groups
+
+
+def sharing_config(transfer: TransferConfig, tables: dict[str, str]) -> SharingConfig:
+    """The :class:`SharingConfig` of a run's ``transfer`` section, sharing ``tables`` (student -> teacher)."""
+    return SharingConfig(
+        tables=tables,
+        towers=dict(transfer.share_towers),
+        policy=transfer.share_policy,
+        lr_scale=transfer.share_lr_scale,
+    )
+
+
+def share_from_config(student: nn.Module, transfer: TransferConfig, student_arch: str) -> SharingResult:
+    """Start ``student`` from the teacher checkpoint ``transfer.share_from`` (module doc), in place.
+
+    Tables follow ``transfer.share_tables``, else :func:`default_table_map` for the checkpoint's arch. When
+    ``transfer.checkpoint_sha256`` is set (the teacher of the run's teacher outputs), the checkpoint must be
+    that teacher. Errors name the checkpoint and the missing or misfit table.
+    """
+    teacher = read_teacher_checkpoint(transfer.share_from)
+    if transfer.checkpoint_sha256 and teacher.sha256 != transfer.checkpoint_sha256:
+        raise SharingError(
+            f"transfer.share_from {teacher.path} has sha256 {teacher.sha256[:12]}…, but the run's teacher outputs "
+            f"come from checkpoint {transfer.checkpoint_sha256[:12]}…; share from the same teacher"
+        )
+    tables: nn.ModuleDict = getattr(student, SharingConfig.tables_attr)
+    mapping = dict(transfer.share_tables) or default_table_map(tables, student_arch, teacher.arch)
+    try:
+        return apply_sharing(student, teacher.state, sharing_config(transfer, mapping))
+    except SharingError as exc:
+        raise SharingError(f"{teacher.path} (model.arch={teacher.arch!r}): {exc}") from exc
+
+
+def restore_shared_layout(student: nn.Module, transfer: TransferConfig) -> SharingResult:
+    """Rebuild what :func:`share_from_config` did to ``student`` from ``transfer.shared_dims``, without the teacher.
+
+    Projected tables get their structure (values come from the student's own checkpoint), shared parameters
+    their policy; used to load a trained student wherever the teacher checkpoint is not at hand.
+    """
+    if not transfer.shared_dims:
+        raise SharingError(
+            f"transfer.share_from={transfer.share_from!r} but no transfer.shared_dims: the config was not saved by a "
+            "training run, so the student's shared layout is unknown"
+        )
+    cfg = sharing_config(transfer, {})
+    tables: nn.ModuleDict = getattr(student, cfg.tables_attr)
+    shared: list[nn.Parameter] = []
+    new: list[nn.Parameter] = []
+    report: dict[str, dict] = {}
+    for name, teacher_dim in transfer.shared_dims.items():
+        if name not in tables:
+            raise SharingError(f"transfer.shared_dims names table {name!r}; the student's tables: {sorted(tables)}")
+        table = tables[name]
+        rows, dim = table.weight.shape
+        if teacher_dim != dim:
+            placeholder = _table_like(table, table.weight.new_zeros(rows, teacher_dim))
+            table = ProjectedTable(placeholder, dim, init_from_table=False)
+            tables[name] = table
+            new.append(table.proj.weight)
+        shared.append(table.table.weight if isinstance(table, ProjectedTable) else table.weight)
+        report[name] = {"teacher_shape": [rows, teacher_dim], "projected": teacher_dim != dim}
+    for path in transfer.share_towers:
+        shared += list(student.get_submodule(path).parameters())
+    if cfg.policy == "freeze":
+        for p in shared:
+            p.requires_grad_(False)
+    return SharingResult(policy=cfg.policy, lr_scale=cfg.lr_scale, shared=shared, new=new, report=report)

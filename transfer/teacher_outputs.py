@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import mlflow
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,6 +41,7 @@ from foundation.data.pipeline import RowBlock, build_batch, table_to_block
 from foundation.data.schema import SCHEMA_FILE, EventSchema
 from foundation.model.outputs import ModelOutput
 from foundation.train import RecModule, load_module, sha256_file
+from transfer.lineage import log_lineage_run
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
@@ -241,15 +241,19 @@ def build_manifest(
     plans: list[ShardPlan],
     rows_per_shard: int,
     batch_size: int,
+    run_id: str | None = None,
 ) -> dict:
-    """The manifest of a job before any shard is done (``complete`` false, no shards, schema unknown)."""
+    """The manifest of a job before any shard is done (``complete`` false, no shards, schema unknown).
+
+    ``run_id`` is the teacher's MLflow run; by default the one recorded beside its ``checkpoints/``.
+    """
     return {
         "format_version": FORMAT_VERSION,
         "complete": False,
         "teacher": {
             "checkpoint": str(ckpt_path.resolve()),
             "checkpoint_sha256": sha256_file(ckpt_path),
-            "mlflow_run_id": teacher_run_id(ckpt_path),
+            "mlflow_run_id": run_id or teacher_run_id(ckpt_path),
             "arch": module.cfg.model.arch,
             "flavor": module.cfg.name,
         },
@@ -292,11 +296,13 @@ def write_teacher_outputs(
     device: str | None = None,
     progress: bool = True,
     tracking_uri: str | None = None,
+    run_id: str | None = None,
 ) -> dict:
     """Run the checkpoint's model once over ``split`` and write its outputs (resumable; see module doc).
 
     ``batch_size`` and the history cap default to the checkpoint's data config. With ``tracking_uri``,
-    the job is recorded as an MLflow run (:func:`log_to_mlflow`). Returns
+    the job is recorded as an MLflow run (:func:`log_outputs_run`). ``run_id`` names the teacher's MLflow run
+    when it is not recorded beside the checkpoint (e.g. a teacher trained on another machine). Returns
     ``{"out_dir", "rows", "num_shards", "shards_written", "shards_reused", "rows_computed", "seconds",
     "rows_per_s", "manifest"}``; ``rows_per_s`` counts only rows computed by this call.
     """
@@ -307,7 +313,7 @@ def write_teacher_outputs(
     plans = plan_shards(dataset_dir, split, rows_per_shard)
     if not plans:
         raise ValueError(f"{dataset_dir}: split {split!r} has no rows")
-    manifest = build_manifest(ckpt_path, module, dataset_dir, split, plans, rows_per_shard, batch_size)
+    manifest = build_manifest(ckpt_path, module, dataset_dir, split, plans, rows_per_shard, batch_size, run_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out_dir)
     done = _reusable_shards(out_dir, manifest)
@@ -346,37 +352,27 @@ def write_teacher_outputs(
         "manifest": manifest,
     }
     if tracking_uri:
-        report["run_id"] = log_to_mlflow(report, tracking_uri)
+        report["run_id"] = log_outputs_run(report, tracking_uri)
     return report
 
 
-def log_to_mlflow(report: dict, tracking_uri: str, experiment: str = "gem") -> str:
-    """Record a finished job as an MLflow run: its inputs by reference, row counts, throughput, manifest.
-
-    Tags ``gem.teacher_run_id`` and ``gem.checkpoint_sha256`` carry the lineage back to the teacher.
-    """
+def log_outputs_run(report: dict, tracking_uri: str, experiment: str = "gem") -> str:
+    """Record a finished job as an MLflow run (:func:`transfer.lineage.log_lineage_run`): inputs by reference,
+    row counts, throughput and the manifest."""
     manifest = report["manifest"]
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=f"teacher-outputs-{manifest['source']['split']}") as run:
-        mlflow.set_tags(
-            {
-                "gem.stage": "teacher_outputs",
-                "gem.teacher_run_id": manifest["teacher"]["mlflow_run_id"] or "",
-                "gem.checkpoint_sha256": manifest["teacher"]["checkpoint_sha256"],
-                "gem.dataset": manifest["source"]["dataset"],
-            }
-        )
-        mlflow.log_params(
-            {"split": manifest["source"]["split"], "rows_per_shard": manifest["rows_per_shard"],
-             "batch_size": manifest["batch_size"], "out_dir": report["out_dir"]}
-        )
-        metrics = {k: report[k] for k in ("rows", "rows_computed", "shards_reused", "seconds")}
-        if report["rows_per_s"] is not None:
-            metrics["rows_per_s"] = report["rows_per_s"]
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
-        mlflow.log_dict(manifest, MANIFEST_FILE)
-        return run.info.run_id
+    metrics = {k: report[k] for k in ("rows", "rows_computed", "shards_reused", "seconds", "rows_per_s")}
+    return log_lineage_run(
+        stage="teacher_outputs",
+        run_name=f"teacher-outputs-{manifest['source']['split']}",
+        teacher=manifest["teacher"],
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        tags={"dataset": manifest["source"]["dataset"]},
+        params={"split": manifest["source"]["split"], "rows_per_shard": manifest["rows_per_shard"],
+                "batch_size": manifest["batch_size"], "out_dir": report["out_dir"]},
+        metrics=metrics,
+        documents={MANIFEST_FILE: manifest},
+    )
 
 
 def _write_manifest(out_dir: Path, manifest: dict) -> None:

@@ -141,13 +141,22 @@ class HistoryEmbedding(nn.Module):
         """``[N, item_dim]`` looked-up items -> ``[N, d_model]`` item part of a token (history or candidate)."""
         return self.scale * self.item_proj(item_vectors)
 
-    def embed_candidate(self, item_vectors: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
-        """``[B, item_dim]`` candidate items on surfaces ``domain[B]`` -> ``[B, d_model]`` (its action is the label: absent)."""
-        tokens = self.embed_items(item_vectors)
-        return tokens + self.domain(domain) if self.domain is not None else tokens
+    def forward(
+        self, batch: JaggedBatch, item_vectors: torch.Tensor, candidate_vectors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """History and candidate tokens, in one call so that FSDP gathers the parameters once, around it.
 
-    def forward(self, batch: JaggedBatch, item_vectors: torch.Tensor) -> torch.Tensor:
-        """``item_vectors[L, item_dim]``: the history items, looked up by the caller in the shared table."""
+        Args:
+            item_vectors: ``[L, item_dim]`` the history items, looked up by the caller in the shared table.
+            candidate_vectors: ``[B, item_dim]`` the candidates, from the same table.
+
+        Returns:
+            ``tokens[L, d_model]`` history tokens; ``candidate_items[B, d_model]`` the candidates' item
+            part; ``candidate_tokens[B, d_model]`` the candidate as a token on its surface (its action is
+            the label: absent).
+        """
+        candidate_items = self.embed_items(candidate_vectors)
+        candidate_tokens = candidate_items + self.domain(batch.domain) if self.domain is not None else candidate_items
         history = batch.history
         tokens = self.embed_items(item_vectors)
         if self.action is not None:
@@ -161,4 +170,4 @@ class HistoryEmbedding(nn.Module):
         if self.position is not None:
             positions = token_positions(batch.offsets, rows).clamp(max=self.position.num_embeddings - 1)
             tokens = tokens + self.position(positions)
-        return self.dropout(tokens)
+        return self.dropout(tokens), candidate_items, candidate_tokens

@@ -57,6 +57,7 @@ class Encoded:
         summary: ``[B, n_s, d]`` last sequence summary (``n_s = 0`` when none is built).
         item_features: ``[B, F_item, d]`` the candidate's categorical features (ctr only).
         candidate_vectors: ``[B, item_dim]`` candidate embeddings from the item table.
+        candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected).
     """
 
     history: torch.Tensor
@@ -65,6 +66,7 @@ class Encoded:
     summary: torch.Tensor
     item_features: torch.Tensor
     candidate_vectors: torch.Tensor
+    candidate_items: torch.Tensor
 
 
 class GEMTeacher(nn.Module):
@@ -184,11 +186,11 @@ class GEMTeacher(nn.Module):
         user_features, item_features = self.sparse_embedding(batch.sparse, b)
         return torch.cat([user_features, self.user_bias.expand(b, 1, -1)], dim=1), item_features
 
-    def build_suffix(self, batch: JaggedBatch, candidate_vectors: torch.Tensor) -> torch.Tensor:
-        """``[B, S, d]``: CLS tokens, then the candidate token when target-aware."""
+    def build_suffix(self, batch: JaggedBatch, candidate_tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, S, d]``: CLS tokens, then the candidate token ``candidate_tokens[B, d]`` when target-aware."""
         parts = [self.cls_tokens.expand(batch.batch_size, -1, -1)]
         if self.with_candidate_token:
-            parts.append(self.history_embedding.embed_candidate(candidate_vectors, batch.domain)[:, None])
+            parts.append(candidate_tokens[:, None])
         return torch.cat(parts, dim=1)
 
     def summarize(
@@ -205,9 +207,10 @@ class GEMTeacher(nn.Module):
         user_tokens, item_features = self.embed_non_sequence(batch)
 
         layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
-        seq = layout.combine(
-            self.history_embedding(batch, history_vectors), self.build_suffix(batch, candidate_vectors)
+        history_tokens, candidate_items, candidate_tokens = self.history_embedding(
+            batch, history_vectors, candidate_vectors
         )
+        seq = layout.combine(history_tokens, self.build_suffix(batch, candidate_tokens))
         # CLS and candidate tokens happen "now": at the impression time.
         timestamps = layout.combine(
             batch.history["timestamps"], batch.timestamp[:, None].expand(b, self.num_suffix)
@@ -226,7 +229,7 @@ class GEMTeacher(nn.Module):
         if not self.cfg.interleave and len(self.summaries):
             summary = self.summarize(0, seq, layout, batch)
         history, suffix = layout.split(seq)
-        return Encoded(history, suffix, user_tokens, summary, item_features, candidate_vectors)
+        return Encoded(history, suffix, user_tokens, summary, item_features, candidate_vectors, candidate_items)
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -258,7 +261,7 @@ class GEMTeacher(nn.Module):
         """Towers, then the candidate-aware interaction, experts and per-domain heads."""
         user_side = torch.cat([enc.user_tokens, enc.summary], dim=1)
         item_tokens = torch.cat(
-            [self.history_embedding.embed_items(enc.candidate_vectors)[:, None], enc.item_features], 1
+            [enc.candidate_items[:, None], enc.item_features], 1
         )
         user_repr = self.user_tower(user_side.flatten(1))
         item_repr = self.item_tower(item_tokens.flatten(1))

@@ -6,7 +6,9 @@ One checkpoint holds, under flat fully-qualified keys:
 - ``dense_optim.<param fqn>.<state>``: AdamW's per-parameter state (DTensors, like the parameters);
 - ``sparse_optim.<module fqn>.<param key>.<state>``: the fused sparse optimizer's state per table
   (ShardedTensors laid out like the tables);
-- ``progress.step``: how many optimizer steps were taken (the data position to resume from).
+- ``progress.step``: how many optimizer steps were taken (the data position to resume from);
+- optionally ``extra.pt`` beside DCP's files: small picklable-free state from rank 0 (a Lightning
+  checkpoint's loops, callbacks, data position and RNG), read back by :func:`load_extra`.
 
 Checkpoints live in ``root/step_<N>/`` and are published atomically (see :func:`save_checkpoint`).
 
@@ -19,7 +21,9 @@ cannot reshard exactly; use exact ``adagrad`` or ``adam`` for tables that change
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,21 +97,65 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
-def save_checkpoint(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
+EXTRA_FILE = "extra.pt"
+
+
+def save_checkpoint(
+    root: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Collective: write ``root/step_<step>`` atomically; returns its path.
 
-    Every rank writes its shards into a hidden temporary directory; after all ranks are done,
-    rank 0 renames it into place. A run killed mid-save leaves only the temporary directory,
-    which :func:`latest_checkpoint` never picks.
+    Every rank writes its shards into a hidden temporary directory (rank 0 adds ``extra``); after
+    all ranks are done, rank 0 renames it into place. A run killed mid-save leaves only the
+    temporary directory, which :func:`latest_checkpoint` never picks. A checkpoint already at
+    ``step`` (saved twice at one step, e.g. by a callback and at the end of training) is replaced.
     """
     final = step_dir(root, step)
     tmp = final.with_name(f".{final.name}.tmp")
+    if dist.get_rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # left by a save that was killed; DCP would mix its files with ours
+    dist.barrier()
     dcp.save(checkpoint_state(model, optimizer, step), checkpoint_id=str(tmp))
+    if dist.get_rank() == 0 and extra is not None:
+        torch.save(extra, tmp / EXTRA_FILE)
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp.replace(final)
+        replace_directory(tmp, final)
     dist.barrier()
     return final
+
+
+def replace_directory(src: Path, dst: Path) -> None:
+    """Rename ``src`` over ``dst``; an existing ``dst`` is moved aside first (a rename cannot replace a
+    non-empty directory), so a reader sees the old or the new checkpoint, or none at that step."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        dst.replace(old)
+        src.replace(dst)
+        shutil.rmtree(old)
+    else:
+        src.replace(dst)
+
+
+def load_extra(path: str | Path) -> dict[str, Any]:
+    """The ``extra`` dict saved with the checkpoint at ``path`` (``{}`` if none), loaded without pickle code."""
+    file = Path(path) / EXTRA_FILE
+    return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else {}
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root`` (rank 0 only); returns the deleted."""
+    done = sorted((p for p in Path(root).glob("step_*") if is_complete(p)), key=lambda p: int(p.name[5:]))
+    stale = done[:-keep] if keep > 0 else done
+    for path in stale:
+        shutil.rmtree(path)
+    return stale
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -146,6 +146,17 @@ class ParallelDims:
             return self._flat[names[0]]
         return root[names[0] if len(names) == 1 else names]
 
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards the dense parameters over: ``dp_shard`` (with ``cp`` folded in when ``cp > 1``:
+        cp ranks' gradients are reduced like data-parallel ones), preceded by ``dp_replicate`` for HSDP (2-D)."""
+        shard = self.mesh_for("dp_shard_cp") if self.cp > 1 else self.mesh_for("dp_shard")
+        if not self.hsdp:
+            return shard
+        if self.cp == 1:
+            return self.mesh_for("dp_replicate", "dp_shard")
+        # Joined from the kept flattened view: torch deprecates slicing flattened dims off the root mesh.
+        return DeviceMesh._concatenate([self.mesh_for("dp_replicate"), shard])
+
     def dp_rank(self) -> int:
         """This rank's index among the ``dp`` data-parallel ranks (which slice of the global batch it reads)."""
         return self.mesh_for("dp").get_local_rank()

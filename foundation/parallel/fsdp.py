@@ -35,8 +35,8 @@ class FSDPConfig:
         shard_children: also wrap every other direct child with dense parameters (see
             :func:`other_dense_children`). Needed for bf16 compute when a model feeds fp32
             embedding outputs into such children; only valid when the model calls those children
-            through ``forward`` (FSDP gathers parameters around ``forward`` only): true of the DLRM
-            baseline, not of the teacher (it calls ``history_embedding.embed_items`` directly).
+            through ``forward`` (FSDP gathers parameters around ``forward`` only), as the DLRM
+            baseline and the teacher do.
     """
 
     param_dtype: str = "fp32"

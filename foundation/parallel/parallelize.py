@@ -7,16 +7,21 @@ Order, and why:
    sharded modules own them only after this step.
 2. **TP** on the ``tp`` mesh: column/row-wise pairs of MLP ``Linear`` s (see
    :mod:`foundation.parallel.tensor`), before FSDP, since FSDP then shards TP's DTensor parameters
-   over the data-parallel mesh (2-D). CP is not applied yet (``cp`` must be 1).
-3. **Activation checkpointing** (optional) per block, so that FSDP's unit wraps the recomputed block.
-4. **FSDP2 / HSDP** per block, then the root, on the ``dp_shard`` (or ``(dp_replicate, dp_shard)``)
-   mesh.
-5. **Dense optimizer** (:func:`build_dense_optimizer`): AdamW over the parameters FSDP owns.
+   over the data-parallel mesh (2-D).
+3. **Activation checkpointing** (optional) per block, so that FSDP's unit wraps the recomputed block;
+   then ``torch.compile`` (optional) per block, in place (:mod:`foundation.parallel.compile`).
+4. **CP** on the ``cp`` mesh (:mod:`foundation.parallel.context`): forward hooks shard the sequence
+   between its whole-sequence readers and route the HSTU blocks' attention (K/V all-gather, or a head
+   all-to-all with ``cp_attention="heads"``). After checkpointing, so that the shard/gather hooks sit
+   outside the recomputed blocks and the attention route inside them.
+5. **FSDP2 / HSDP** per block, then the root, on ``dp_shard`` (``dp_shard x cp`` flattened when
+   ``cp > 1``), preceded by ``dp_replicate`` for HSDP (:meth:`ParallelDims.fsdp_mesh`).
+6. **Dense optimizer** (:func:`build_dense_optimizer`): AdamW over the parameters FSDP owns.
 
-Each rank must then feed its own slice of the global batch (``dims.dp_rank()`` of ``dims.dp``);
-losses are per-rank means, and both FSDP (reduce-scatter) and torchrec (all-to-all backward)
-average gradients over ranks, so one step equals one single-process step on the mean of the
-per-rank losses.
+Each rank must then feed its own slice of the global batch (``dims.dp_rank()`` of ``dims.dp``; cp and
+tp ranks read the same slice); losses are per-rank means, and both FSDP (reduce-scatter) and torchrec
+(all-to-all backward) average gradients over ranks, so one step equals one single-process step on the
+mean of the per-rank losses.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from torch import nn
 from torchrec.distributed.types import ShardedModule, ShardingPlan
 
 from foundation.parallel.activation import apply_activation_checkpointing
+from foundation.parallel.compile import apply_compile
+from foundation.parallel.context import CP_ATTENTION, apply_context_parallel
 from foundation.parallel.dims import ParallelDims
 from foundation.parallel.embeddings import (
     EmbeddingShardingConfig,
@@ -51,6 +58,10 @@ class ParallelConfig:
             caller must reduce their gradients).
         fsdp_options: precision and unit choice.
         activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block (:mod:`foundation.parallel.compile`); not with ``cp > 1``.
+        cp_attention: how context-parallel ranks attend over every rank's tokens: ``gather`` (all-gather
+            K/V; works for any head count) or ``heads`` (all-to-all to ``H/cp`` heads per rank; splits the
+            attention FLOPs ``cp`` ways; ``cp`` must divide the heads). See :mod:`foundation.parallel.context`.
         lr, weight_decay, betas, eps: the dense AdamW.
     """
 
@@ -59,6 +70,8 @@ class ParallelConfig:
     fsdp: bool = True
     fsdp_options: FSDPConfig = field(default_factory=FSDPConfig)
     activation_checkpointing: bool = False
+    compile: bool = False
+    cp_attention: str = "gather"
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -67,16 +80,20 @@ class ParallelConfig:
 
 def check_supported(dims: ParallelDims, cfg: ParallelConfig) -> None:
     """Reject degree combinations this module does not apply yet, before any collective runs."""
-    if dims.cp > 1:
-        raise ValueError(f"parallelize_teacher: context parallel not implemented yet (cp={dims.cp})")
+    if cfg.cp_attention not in CP_ATTENTION:
+        raise ValueError(f"parallel.cp_attention must be one of {CP_ATTENTION}, got {cfg.cp_attention!r}")
     if cfg.shard_embeddings and dims.emb_replicate > 1:
         raise ValueError(
             f"parallelize_teacher: 2-D embedding sharding (emb_shard={dims.emb_shard} < world "
-            f"{dims.world_size}) is not implemented yet; use emb_shard=-1"
+            f"{dims.world_size}) is not supported: torchrec 1.8's DMPCollection asserts a CUDA or MTIA device "
+            "(torchrec/distributed/model_parallel.py, DMPCollection.__init__), so it cannot run or be tested on "
+            "CPU/gloo here; use emb_shard=-1"
         )
-    if not cfg.fsdp and dims.dp > 1:
+    if cfg.compile and dims.cp > 1:
+        raise ValueError("parallelize_teacher: compile=True with cp > 1 is not supported (CP's hooks run collectives)")
+    if not cfg.fsdp and dims.dp * dims.cp > 1:
         raise ValueError(
-            "parallelize_teacher: with dp > 1 the dense part needs fsdp=True to reduce its gradients"
+            "parallelize_teacher: with dp > 1 or cp > 1 the dense part needs fsdp=True to reduce its gradients"
         )
 
 
@@ -103,7 +120,8 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 def parallelize_teacher(
     model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device | None = None
 ) -> ShardingPlan | None:
-    """Apply embedding sharding, TP, activation checkpointing, then FSDP2/HSDP to ``model`` in place (see the module docstring for the order).
+    """Apply embedding sharding, TP, activation checkpointing, CP, then FSDP2/HSDP to ``model``, in place
+    (see the module docstring for the order).
 
     ``dims.build_mesh()`` must have been called. Returns the torchrec sharding plan (None when
     tables are not sharded).
@@ -117,9 +135,12 @@ def parallelize_teacher(
         apply_tensor_parallel(model, dims.mesh_for("tp"))
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, cfg.fsdp_options.units)
+    if cfg.compile:
+        apply_compile(model, cfg.fsdp_options.units)
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.mesh_for("cp"), cfg.cp_attention)
     if cfg.fsdp:
-        mesh = dims.mesh_for("dp_replicate", "dp_shard") if dims.hsdp else dims.mesh_for("dp_shard")
-        apply_fsdp(model, mesh, cfg.fsdp_options, ignored_params=sharded_embedding_parameters(model))
+        apply_fsdp(model, dims.fsdp_mesh(), cfg.fsdp_options, ignored_params=sharded_embedding_parameters(model))
     return plan
 
 
