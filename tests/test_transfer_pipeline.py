@@ -41,7 +41,9 @@ def pipeline(tmp_path_factory):
         overrides=(*common, "train.max_steps=6", "model.student.hidden=(16,)"),
     )
     path = run_transfer_report(cfg)
-    return {"teacher": teacher, "report": json.loads(path.read_text()), "path": path, "uri": uri}
+    # Strict JSON: an undefined metric is null, never the non-standard NaN.
+    report = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in {path}"))
+    return {"teacher": teacher, "report": report, "path": path, "uri": uri}
 
 
 def test_report_has_every_method_with_finite_ne_and_transfer_ratio(pipeline):

@@ -366,7 +366,22 @@ def run_transfer_report(cfg: ReportConfig) -> Path:
     json_path, md_path, png_path = out / REPORT_JSON, out / REPORT_MD, out / REPORT_PNG
     atomic_write_text(md_path, format_markdown(report))
     plot_ratios(report, png_path)
-    atomic_write_text(json_path, json.dumps(report, indent=2, sort_keys=True))
+    atomic_write_text(json_path, report_json(report))
     report["mlflow_run_id"] = log_report(report, [json_path, md_path, png_path], uri, base.train.experiment)
-    atomic_write_text(json_path, json.dumps(report, indent=2, sort_keys=True))
+    atomic_write_text(json_path, report_json(report))
     return json_path
+
+
+def report_json(report: dict) -> str:
+    """Strict JSON: an undefined metric (nan, e.g. NE in a domain without positives) is written as ``null``."""
+
+    def strict(value):
+        if isinstance(value, dict):
+            return {k: strict(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [strict(v) for v in value]
+        if isinstance(value, float) and not np.isfinite(value):
+            return None
+        return value
+
+    return json.dumps(strict(report), indent=2, sort_keys=True, allow_nan=False)

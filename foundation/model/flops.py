@@ -77,8 +77,9 @@ def teacher_flop_breakdown(
     num_suffix = cfg.num_cls + int(with_candidate)
     combined = num_tokens + b * num_suffix
     width = h * (2 * cfg.value_dim + 2 * cfg.attn_dim)
-    # History tokens, the candidate token (target-aware) and the candidate's item token (ctr output).
-    item_proj = 0.0 if e == d else mm(num_tokens + b * (int(with_candidate) + int(not next_item)), e, d)
+    # History tokens and the candidates' item part (projected once; the candidate token and the ctr
+    # output's item token share it).
+    item_proj = 0.0 if e == d else mm(num_tokens + b, e, d)
     layer = mm(combined, d, width) + mm(combined, h * cfg.value_dim, d)
     parts = {
         "sequence": item_proj + cfg.num_layers * layer,
