@@ -1,0 +1,48 @@
+"""The GPU experiment script run end to end on CPU: the command lines the sweeps use, and its recalibration."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from experiments.teacher_vs_baseline import main, recalibrate
+from foundation.metrics import PredictionLog
+from tests.events import write_dataset
+
+
+def test_teacher_vs_baseline_takes_overrides_after_options_and_writes_best_epoch(tmp_path):
+    data = write_dataset(tmp_path / "events", rows={"train": 400, "valid": 200, "test": 200}, row_group_size=100)
+    out = tmp_path / "result.json"
+    # Overrides before and after options, as the GPU sweeps write them.
+    argv = ["--data", str(data), "model.dlrm.embedding_dim=8", "--flavor", "debug", "--epochs", "2",
+            "--json", str(out), "data.batch_size=64", "--device", "cpu"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["model"]["dlrm"]["embedding_dim"] == 8 and result["config"]["data"]["batch_size"] == 64
+    assert [r["epoch"] for r in result["history"]] == [0, 1]
+    best = min(result["history"], key=lambda r: r["valid"]["click/ne"])
+    assert result["best_epoch"] == best["epoch"] and result["test"] == best["test"]
+    for block in ("test", "test_recalibrated"):
+        assert {"click/ne", "click/auc", "click/ne/d0", "click/oracle_ne"} <= set(result[block])
+
+
+def _miscalibrated_log(n: int, generator: torch.Generator) -> PredictionLog:
+    """Labels drawn from ``sigmoid(z - 3)``; predictions ``sigmoid(2(z - 3) + 1.5)``: same ranking, wrong scale."""
+    z = torch.randn(n, generator=generator)
+    log = PredictionLog()
+    log.rows["domain"] = [torch.randint(0, 2, (n,), generator=generator)]
+    log.rows["click/label"] = [(torch.rand(n, generator=generator) < torch.sigmoid(z - 3)).float()]
+    log.rows["click/mask"] = [torch.ones(n, dtype=torch.bool)]
+    log.rows["click/prob"] = [torch.sigmoid(2 * (z - 3) + 1.5)]
+    return log
+
+
+def test_recalibration_fitted_on_valid_fixes_the_scale_and_keeps_the_ranking():
+    generator = torch.Generator().manual_seed(0)
+    valid, test = _miscalibrated_log(20_000, generator), _miscalibrated_log(20_000, generator)
+    before, after = test.metrics(2), recalibrate(valid, test, 2).metrics(2)
+    assert after["click/ne"] < before["click/ne"] - 0.05
+    assert abs(after["click/calibration"] - 1) < 0.05 < abs(before["click/calibration"] - 1)
+    for d in (0, 1):  # a monotone map per domain: the ranking inside each domain is unchanged
+        assert after[f"click/auc/d{d}"] == before[f"click/auc/d{d}"]
