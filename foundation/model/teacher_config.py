@@ -181,8 +181,10 @@ def _ml1m(num_layers: int, num_heads: int) -> TeacherConfig:
 
 
 TEACHER_FLAVORS: dict[str, TeacherConfig] = {
-    # The ctr flavors train the generative next-item objective beside click/conversion: on the
-    # synthetic world it improves test NE of both tasks (and makes score_items meaningful).
+    # The ctr flavors train the generative next-item objective beside click/conversion, which makes
+    # score_items and the exported item space meaningful. Its effect on NE is not settled: on the
+    # debug world it helped, on the default world (one seed, one epoch) it cost click NE
+    # (docs/benchmarks.md, "Teacher against the DLRM baseline"); `model.teacher.generative=false` drops it.
     # Seconds on a CPU: every block present, tiny widths.
     "debug": TeacherConfig(
         d_model=32,
