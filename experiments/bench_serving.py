@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from foundation.cli import add_bench_serving_arguments
 from foundation.data.io import atomic_write_text
 from value_models.serving import (
     FORMS,
@@ -125,15 +126,9 @@ def format_table(result: dict) -> str:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    """The script's arguments; ``gem bench-serving`` declares the same ones."""
+    """The script's arguments, the same as ``gem bench-serving`` 's."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="student checkpoint (gem train --flavor student-*)")
-    parser.add_argument("--store", required=True, help="embedding store root (gem export)")
-    parser.add_argument("--candidates", default="64,256,1024")
-    parser.add_argument("--forms", default="", help="comma-separated serving forms (default: all)")
-    parser.add_argument("--iters", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--json", help="write the table as JSON here")
+    add_bench_serving_arguments(parser)
     return parser
 
 

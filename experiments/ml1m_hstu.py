@@ -43,7 +43,7 @@ from foundation.data.converters import convert
 from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, valid_item_mask
 from foundation.data.schema import SCHEMA_FILE, EventSchema
-from foundation.metrics import RankingMetrics, target_ranks
+from foundation.metrics import RankingMetrics
 from foundation.model.teacher import GEMTeacher, build_teacher, teacher_flavor
 
 TARGETS = {
@@ -80,11 +80,10 @@ def evaluate(
     metrics = RankingMetrics(ks=(10, 50, 200))
     for batch in build_dataloader(EventStream(dataset, split, data_cfg, training=False), data_cfg):
         batch = batch.to(device)
-        scores = model.score_items(batch).float()
-        ranks = target_ranks(
-            scores, batch.candidate, batch.history["item_ids"], batch.offsets, valid_items=valid
+        metrics.update(
+            model.score_items(batch).float(), batch.candidate, batch.history["item_ids"], batch.offsets,
+            valid_items=valid,
         )
-        metrics.update_ranks(ranks)
     model.train()
     return metrics.compute()
 

@@ -29,6 +29,7 @@ share one GPU well (the models are small), so a sweep starts one process per run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     model = build_model(cfg.model, schema).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     autocast = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
-    eval_cfg = DataConfig(**{**cfg.data.__dict__, "batch_size": args.eval_batch_size, "token_budget": 0})
+    eval_cfg = dataclasses.replace(cfg.data, batch_size=args.eval_batch_size, token_budget=0)
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
     history: list[dict] = []
     start = time.perf_counter()

@@ -203,6 +203,17 @@ def cmd_retrieve(args: argparse.Namespace) -> None:
     _write_json(args.json, result)
 
 
+def add_bench_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``gem bench-serving`` and ``python -m experiments.bench_serving`` (one declaration)."""
+    parser.add_argument("--ckpt", required=True, help="student checkpoint (gem train --flavor student-*)")
+    parser.add_argument("--store", required=True, help="embedding store root (gem export)")
+    parser.add_argument("--candidates", default="64,256,1024")
+    parser.add_argument("--forms", default="", help="comma-separated serving forms (default: all)")
+    parser.add_argument("--iters", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--json", help="write the table as JSON here")
+
+
 def cmd_bench_serving(args: argparse.Namespace) -> None:
     from experiments.bench_serving import main_from_args
 
@@ -343,13 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     ret.set_defaults(fn=cmd_retrieve)
 
     bs = sub.add_parser("bench-serving", help="value-model latency per serving form at 64/256/1024 candidates")
-    bs.add_argument("--ckpt", required=True, help="student checkpoint (gem train --flavor student-*)")
-    bs.add_argument("--store", required=True, help="embedding store root (gem export)")
-    bs.add_argument("--candidates", default="64,256,1024")
-    bs.add_argument("--forms", default="", help="comma-separated serving forms (default: all)")
-    bs.add_argument("--iters", type=int, default=500)
-    bs.add_argument("--warmup", type=int, default=100)
-    bs.add_argument("--json")
+    add_bench_serving_arguments(bs)
     bs.set_defaults(fn=cmd_bench_serving)
 
     pk = sub.add_parser("package", help="check a student's latency budget; register it as an MLflow pyfunc + alias")
