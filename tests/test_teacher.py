@@ -10,11 +10,12 @@ import torch
 
 from foundation.config import apply_overrides
 from foundation.data.schema import TASKS
+from foundation.model.embeddings import HistoryEmbedding
 from foundation.model.experts import MultiDomainExperts
 from foundation.model.generative import next_item_targets, sampled_softmax_loss
 from foundation.model.interaction import DCNv2Block, WukongBlock
 from foundation.model.jagged import SuffixLayout, last_tokens
-from foundation.model.teacher import TEACHER_FLAVORS, build_teacher, teacher_flavor
+from foundation.model.teacher import TEACHER_FLAVORS, build_teacher, pairwise_dots, teacher_flavor
 from foundation.model.teacher_config import TeacherConfig
 from tests.test_teacher_support import (
     CTR_SCHEMA,
@@ -55,6 +56,7 @@ CTR_VARIANTS = {
     "no_interleave": {"interleave": False},
     "generative": {"generative": True, "in_batch_negatives": True},
     "not_target_aware": {"target_aware": False, "num_final_interaction_blocks": 0},
+    "no_pooled_no_dots": {"pooled_history": False, "dot_interaction": False},
 }
 
 
@@ -235,6 +237,25 @@ def test_suffix_layout_round_trip_and_recent_tokens():
     assert torch.equal(back_history, history) and torch.equal(back_suffix, suffix)
     recent = last_tokens(history, offsets, 2, torch.full((2, 1), -1.0))
     assert recent.squeeze(-1).tolist() == [[0, 1], [-1, -1], [3, 4]]
+
+
+def test_pooled_history_means_all_and_clicked_events_per_row():
+    batch = make_batch(CTR_SCHEMA, [3, 0, 4])
+    batch.history["actions"] = torch.tensor([0, 1, 2, 0, 0, 0, 0])
+    items = torch.arange(7.0)[:, None].expand(7, 2)
+    rows = torch.tensor([0, 0, 0, 2, 2, 2, 2])
+    pooled = HistoryEmbedding.pool_items(items, rows, batch)
+    # Row 0: all of 0, 1, 2 and clicked 1, 2; row 1 is empty; row 2 has no click.
+    expected = torch.tensor([[1.0, 1.5], [0.0, 0.0], [4.5, 0.0]])
+    assert torch.equal(pooled[:, :, 0], expected) and torch.equal(pooled[:, :, 1], expected)
+
+
+def test_pairwise_dots_are_the_upper_triangle_of_the_gram_matrix():
+    tokens = torch.randn(2, 4, 3)
+    dots = pairwise_dots(tokens)
+    assert dots.shape == (2, 6)
+    assert torch.allclose(dots[:, 0], (tokens[:, 0] * tokens[:, 1]).sum(-1))
+    assert torch.allclose(dots[:, -1], (tokens[:, 2] * tokens[:, 3]).sum(-1))
 
 
 @pytest.mark.parametrize(

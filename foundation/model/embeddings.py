@@ -129,6 +129,7 @@ class HistoryEmbedding(nn.Module):
         self.domain = nn.Embedding(schema.num_domains, d) if "domain" in features else None
         self.age = nn.Embedding(cfg.age_buckets, d) if "age" in features else None
         self.age_buckets = cfg.age_buckets
+        self.pooled = cfg.pooled_history and schema.task == "ctr"
         self.position = nn.Embedding(cfg.max_len, d) if cfg.abs_pos_emb else None
         # Side embeddings start at the scale of the scaled item part (std 0.02·sqrt(d) ~ sqrt(1/d) per
         # coordinate, HSTU's position init) so that they do not drown the item identity.
@@ -137,13 +138,25 @@ class HistoryEmbedding(nn.Module):
                 nn.init.trunc_normal_(table.weight, std=math.sqrt(1.0 / d))
         self.dropout = nn.Dropout(cfg.dropout)
 
+    @staticmethod
+    def pool_items(items: torch.Tensor, rows: torch.Tensor, batch: JaggedBatch) -> torch.Tensor:
+        """``items[L, d]`` -> ``[B, 2, d]``: the mean over each row's events, then over its clicked ones
+        (action >= 1); zeros where a row has none."""
+        clicked = (batch.history["actions"] >= 1).to(items.dtype)
+        weights = torch.stack([torch.ones_like(clicked), clicked], dim=1)  # [L, 2]
+        sums = items.new_zeros(batch.batch_size, 2, items.shape[1]).index_add_(
+            0, rows, weights[:, :, None] * items[:, None, :]
+        )
+        counts = weights.new_zeros(batch.batch_size, 2).index_add_(0, rows, weights)
+        return sums / counts.clamp_min(1.0)[:, :, None]
+
     def embed_items(self, item_vectors: torch.Tensor) -> torch.Tensor:
         """``[N, item_dim]`` looked-up items -> ``[N, d_model]`` item part of a token (history or candidate)."""
         return self.scale * self.item_proj(item_vectors)
 
     def forward(
         self, batch: JaggedBatch, item_vectors: torch.Tensor, candidate_vectors: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """History and candidate tokens, in one call so that FSDP gathers the parameters once, around it.
 
         Args:
@@ -153,21 +166,25 @@ class HistoryEmbedding(nn.Module):
         Returns:
             ``tokens[L, d_model]`` history tokens; ``candidate_items[B, d_model]`` the candidates' item
             part; ``candidate_tokens[B, d_model]`` the candidate as a token on its surface (its action is
-            the label: absent).
+            the label: absent); ``pooled[B, P, d_model]`` the item part averaged over each history's
+            events and over its clicked events (``P = 2`` with ``pooled_history``, else 0).
         """
         candidate_items = self.embed_items(candidate_vectors)
         candidate_tokens = candidate_items + self.domain(batch.domain) if self.domain is not None else candidate_items
         history = batch.history
         tokens = self.embed_items(item_vectors)
+        rows = token_rows(batch.offsets, tokens.shape[0])
+        pooled = (
+            self.pool_items(tokens, rows, batch) if self.pooled else tokens.new_zeros(batch.batch_size, 0, tokens.shape[1])
+        )
         if self.action is not None:
             tokens = tokens + self.action(history["actions"])
         if self.domain is not None:
             tokens = tokens + self.domain(history["domains"])
-        rows = token_rows(batch.offsets, tokens.shape[0])
         if self.age is not None:
             age = batch.timestamp[rows] - history["timestamps"]
             tokens = tokens + self.age(log_bucket(age, self.age_buckets))
         if self.position is not None:
             positions = token_positions(batch.offsets, rows).clamp(max=self.position.num_embeddings - 1)
             tokens = tokens + self.position(positions)
-        return self.dropout(tokens), candidate_items, candidate_tokens
+        return self.dropout(tokens), candidate_items, candidate_tokens, pooled

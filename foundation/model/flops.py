@@ -126,20 +126,22 @@ def teacher_flop_breakdown(
 def ctr_output_flops(
     cfg: TeacherConfig, schema: EventSchema, b: int, n_user_side: int, with_candidate: bool
 ) -> float:
-    """Towers, the final interaction stack, experts, gates and heads."""
+    """Towers, the final interaction stack (and pairwise dots), experts, gates and heads."""
     d = cfg.d_model
     n_item = 1 + len(schema.item_features)
+    n_user_side += 2 if cfg.pooled_history else 0
     towers = mm(b, n_user_side * d, cfg.repr_dim) + mm(b, n_item * d, cfg.repr_dim)
     dense = mm(b, schema.dense_dim, d) if schema.dense_dim else 0.0
     n_in = n_user_side + int(with_candidate) + n_item + 1 + int(schema.dense_dim > 0)
-    stack = 0.0
+    n_dots = n_in * (n_in - 1) // 2 if cfg.dot_interaction else 0
+    stack = mm(b * n_in, d, n_in) if cfg.dot_interaction else 0.0
     for _ in range(cfg.num_final_interaction_blocks):
         stack += interaction_flops(cfg, b, n_in, cfg.interaction_tokens)
         n_in = cfg.interaction_tokens
     tasks = len(TASKS)
     per_row = cfg.num_shared_experts + cfg.num_domain_experts
     num_experts = cfg.num_shared_experts + schema.num_domains * cfg.num_domain_experts
-    d_in = n_in * d
+    d_in = n_in * d + n_dots
     experts = mm(b, d_in, num_experts * cfg.expert_hidden) + mm(
         b * num_experts, cfg.expert_hidden, cfg.expert_dim
     )

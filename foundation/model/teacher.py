@@ -14,9 +14,10 @@ Data flow for one batch (``L`` history tokens, ``B`` rows, ``d = d_model``)::
                 summary  ← gate(CLS ⊕ PMA(history) ⊕ K most recent)
                 user tokens ← interaction(user tokens ⊕ summary)  (InterFormer: seq → non-seq)
 
-    user_repr  = tower(user tokens ⊕ summary)        never sees the candidate (targets are unseen)
-    logits     = heads_domain(experts(interaction(user ⊕ summary ⊕ candidate-after-attention
-                                                     ⊕ item features ⊕ domain ⊕ dense)))
+    pooled     = mean item embedding of the history, over all and over clicked events  [B, 2, d]
+    user_repr  = tower(user tokens ⊕ summary ⊕ pooled)   never sees the candidate (targets are unseen)
+    tokens     = user ⊕ summary ⊕ pooled ⊕ candidate-after-attention ⊕ item features ⊕ domain ⊕ dense
+    logits     = heads_domain(experts(interaction(tokens) ⊕ pairwise dots(tokens)))
 
 For ``next_item`` data (e.g. MovieLens) the model is HSTU's generative recommender: every
 history position predicts the next item (the last one predicts the candidate) with sampled
@@ -58,6 +59,8 @@ class Encoded:
         item_features: ``[B, F_item, d]`` the candidate's categorical features (ctr only).
         candidate_vectors: ``[B, item_dim]`` candidate embeddings from the item table.
         candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected).
+        pooled: ``[B, P, d]`` mean item part of each history, over all and over clicked events (ctr with
+            ``pooled_history``; ``P = 0`` otherwise).
     """
 
     history: torch.Tensor
@@ -67,6 +70,7 @@ class Encoded:
     item_features: torch.Tensor
     candidate_vectors: torch.Tensor
     candidate_items: torch.Tensor
+    pooled: torch.Tensor
 
 
 class GEMTeacher(nn.Module):
@@ -155,7 +159,8 @@ class GEMTeacher(nn.Module):
         """User/item towers, the candidate-aware interaction stack, experts and per-domain heads."""
         d = cfg.d_model
         n_item = 1 + len(schema.item_features)
-        n_user_side = self.num_user_tokens + self.num_summary_tokens
+        n_pooled = 2 if cfg.pooled_history else 0
+        n_user_side = self.num_user_tokens + self.num_summary_tokens + n_pooled
         self.user_tower = nn.Linear(n_user_side * d, cfg.repr_dim)
         self.item_tower = nn.Linear(n_item * d, cfg.repr_dim)
         self.two_tower_scale = nn.Parameter(torch.ones(len(TASKS)))
@@ -164,8 +169,10 @@ class GEMTeacher(nn.Module):
         n_final = n_user_side + int(self.with_candidate_token) + n_item + 1 + int(schema.dense_dim > 0)
         self.final_interaction = build_interaction_stack(cfg, n_final, cfg.num_final_interaction_blocks)
         n_out = cfg.interaction_tokens if cfg.num_final_interaction_blocks else n_final
+        n_dots = n_final * (n_final - 1) // 2 if cfg.dot_interaction else 0
+        self.dot_norm = nn.LayerNorm(n_dots) if n_dots else None
         self.experts = MultiDomainExperts(
-            n_out * d,
+            n_out * d + n_dots,
             num_domains=schema.num_domains,
             num_tasks=len(TASKS),
             num_shared=cfg.num_shared_experts,
@@ -207,7 +214,7 @@ class GEMTeacher(nn.Module):
         user_tokens, item_features = self.embed_non_sequence(batch)
 
         layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
-        history_tokens, candidate_items, candidate_tokens = self.history_embedding(
+        history_tokens, candidate_items, candidate_tokens, pooled = self.history_embedding(
             batch, history_vectors, candidate_vectors
         )
         seq = layout.combine(history_tokens, self.build_suffix(batch, candidate_tokens))
@@ -229,7 +236,9 @@ class GEMTeacher(nn.Module):
         if not self.cfg.interleave and len(self.summaries):
             summary = self.summarize(0, seq, layout, batch)
         history, suffix = layout.split(seq)
-        return Encoded(history, suffix, user_tokens, summary, item_features, candidate_vectors, candidate_items)
+        return Encoded(
+            history, suffix, user_tokens, summary, item_features, candidate_vectors, candidate_items, pooled
+        )
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -259,7 +268,7 @@ class GEMTeacher(nn.Module):
 
     def ctr_output(self, batch: JaggedBatch, enc: Encoded, extra: dict[str, torch.Tensor]) -> ModelOutput:
         """Towers, then the candidate-aware interaction, experts and per-domain heads."""
-        user_side = torch.cat([enc.user_tokens, enc.summary], dim=1)
+        user_side = torch.cat([enc.user_tokens, enc.summary, enc.pooled], dim=1)
         item_tokens = torch.cat(
             [enc.candidate_items[:, None], enc.item_features], 1
         )
@@ -271,9 +280,12 @@ class GEMTeacher(nn.Module):
         parts += [item_tokens, self.domain_embedding(batch.domain)[:, None]]
         if self.dense_proj is not None:
             parts.append(self.dense_proj(batch.dense)[:, None])
-        mixed = self.final_interaction(torch.cat(parts, dim=1))
+        tokens = torch.cat(parts, dim=1)
+        expert_input = self.final_interaction(tokens).flatten(1)
+        if self.dot_norm is not None:
+            expert_input = torch.cat([expert_input, self.dot_norm(pairwise_dots(tokens))], dim=1)
         two_tower = (user_repr * item_repr).sum(-1, keepdim=True) / self.cfg.repr_dim**0.5
-        logits = self.experts(mixed.flatten(1), batch.domain) + self.two_tower_scale * two_tower
+        logits = self.experts(expert_input, batch.domain) + self.two_tower_scale * two_tower
         return ModelOutput(
             logits={task: logits[:, i] for i, task in enumerate(TASKS)},
             user_repr=user_repr,
@@ -343,6 +355,13 @@ class GEMTeacher(nn.Module):
     def flops(self, batch: JaggedBatch, *, training: bool = True) -> float:
         """Matmul FLOPs of one step on this batch, valid tokens only (see :mod:`foundation.model.flops`)."""
         return teacher_flops(self.cfg, self.schema, batch.offsets, training=training)
+
+
+def pairwise_dots(tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, n, d]`` -> ``[B, n(n-1)/2]``: the dot product of every token pair (upper triangle)."""
+    n = tokens.shape[1]
+    i, j = torch.triu_indices(n, n, offset=1, device=tokens.device)
+    return (tokens @ tokens.transpose(1, 2))[:, i, j]
 
 
 def build_teacher(cfg: TeacherConfig, schema: EventSchema) -> GEMTeacher:

@@ -46,11 +46,17 @@ class TeacherConfig:
         pffn_hidden: hidden width of the personalised FFN.
         pffn_summary_dim: width each non-sequence token is narrowed to before it conditions the PFFN.
         target_aware: append the candidate as a target token that attends to the history (ctr).
+        pooled_history: two more user-side tokens for ctr data, the mean of the history's item
+            embeddings over every event and over clicked ones, in the candidate's item space: the
+            pooled-bag features a DLRM ranks with, so the sequence arch only has to add what
+            pooling misses (order, recency, target-aware selection).
 
     Interaction arch for non-sequence features:
         interaction: ``wukong`` (arXiv 2403.02545) or ``dcnv2``.
         interaction_tokens: tokens each interaction block emits.
         num_final_interaction_blocks: blocks of the candidate-aware interaction stack.
+        dot_interaction: also hand the experts every pairwise dot product of the candidate-aware
+            stack's input tokens (DLRM's interaction, exact where Wukong's FM is low-rank).
         wukong_rank: rank of Wukong's optimised FM projection.
         wukong_hidden: hidden width of Wukong's FM MLP.
         dcn_rank, dcn_cross_layers: low-rank width and depth of a DCNv2 block.
@@ -91,10 +97,12 @@ class TeacherConfig:
     pffn_hidden: int = 128
     pffn_summary_dim: int = 16
     target_aware: bool = True
+    pooled_history: bool = True
 
     interaction: str = "wukong"
     interaction_tokens: int = 8
     num_final_interaction_blocks: int = 2
+    dot_interaction: bool = True
     wukong_rank: int = 8
     wukong_hidden: int = 256
     dcn_rank: int = 32
