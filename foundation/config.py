@@ -83,7 +83,7 @@ class TransferConfig:
     share_from: str = ""
     share_tables: dict[str, str] = field(default_factory=dict)
     share_towers: dict[str, str] = field(default_factory=dict)
-    share_policy: str = "finetune_lower_lr"
+    share_policy: str = "freeze"
     share_lr_scale: float = 0.1
     shared_dims: dict[str, int] = field(default_factory=dict)
 

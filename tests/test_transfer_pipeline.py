@@ -82,7 +82,7 @@ def test_student_runs_carry_the_teachers_lineage(pipeline):
 def test_full_stack_student_starts_from_the_teachers_tables_and_loads_alone(pipeline):
     student = load_module(pipeline["report"]["methods"]["full"]["checkpoints"][0])
     assert student.cfg.transfer.shared_dims == {"t_item_category": 16, "t_item_id": 16, "t_user_age": 16}
-    assert student.sharing.policy == "finetune_lower_lr" and len(student.sharing.new) == 3
+    assert student.sharing.policy == "freeze" and len(student.sharing.new) == 3
     kd = load_module(pipeline["report"]["methods"]["kd"]["checkpoints"][0])
     assert kd.sharing is None
 

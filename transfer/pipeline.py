@@ -73,7 +73,7 @@ class PipelineConfig:
     seeds: int = 2
     student_split: str = "valid"
     rows_per_shard: int = 65536
-    share_policy: str = "finetune_lower_lr"
+    share_policy: str = "freeze"
     share_lr_scale: float = 0.1
 
     def __post_init__(self) -> None:

@@ -71,8 +71,9 @@ class ReportConfig:
     the baseline, is always run); ``student_split`` is the split the students train on.
     ``teacher_run_id`` names the teacher's MLflow run when it is not recorded beside the checkpoint (a
     teacher trained elsewhere); ``share_policy`` / ``share_lr_scale`` configure the sharing methods. Their
-    default, ``finetune_lower_lr``, because fine-tuning the teacher's tables (and their projection) at the full
-    learning rate overfits a student trained on a short later window (``docs/benchmarks.md``).
+    default, ``freeze``: fine-tuning the teacher's tables at the full learning rate overfits a student trained
+    on a short later window, and frozen tables transferred as much as the 0.1x learning rate from a DLRM
+    teacher and more from the GEM teacher (``docs/benchmarks.md``, "Knowledge transfer").
     """
 
     teacher_ckpt: str
@@ -85,7 +86,7 @@ class ReportConfig:
     rows_per_shard: int = 65536
     overrides: tuple[str, ...] = ()
     teacher_run_id: str = ""
-    share_policy: str = "finetune_lower_lr"
+    share_policy: str = "freeze"
     share_lr_scale: float = 0.1
 
     def __post_init__(self) -> None:
