@@ -48,11 +48,16 @@ GLOBAL_ROWS = 12
 SPAWN_TIMEOUT_S = 240
 # Float32 sums in another order (reduce-scatter, all-to-all) differ by ~1e-7 per step.
 TOLERANCE = 1e-5
+# Parameters after 20 Adam steps: Adam divides by sqrt(v), so on a parameter whose gradient is nearly zero
+# that order difference is magnified (measured: 1e-5 to 4e-5 on single elements of the teacher's expert
+# input, varying from run to run with the reduction order; every other element stays within 1e-5).
+PARAM_TOLERANCE = 1e-4
 # bf16 keeps 8 mantissa bits: activations differ by ~1e-3 relative; the loss stays within this.
 BF16_TOLERANCE = 3e-3
 # The teacher is deeper (HSTU blocks, interleaved arches, experts): over 20 Adam steps its bf16 losses
-# drift from fp32 by up to ~0.7% (measured), so they are held to 1% relative.
-BF16_TEACHER_REL_TOLERANCE = 1e-2
+# drift from fp32 (measured: up to 0.7% without the pooled-history and dot features, 1.6% with the
+# pooled tokens, 2.6% with both, the dots summed in float32), so they are held to 3% relative.
+BF16_TEACHER_REL_TOLERANCE = 3e-2
 
 
 def sparse(
@@ -419,7 +424,7 @@ def test_parallel_training_matches_single_process(name, parallel_results):
     assert losses == pytest.approx(ref_losses[STEPS - len(losses) :], abs=TOLERANCE)
     assert set(params) == set(ref_params)
     for key, ref in ref_params.items():
-        torch.testing.assert_close(params[key], ref, atol=TOLERANCE, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(params[key], ref, atol=PARAM_TOLERANCE, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
     assert ref_losses[-1] != ref_losses[0], "training should move the loss"
 
 

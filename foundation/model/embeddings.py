@@ -141,14 +141,15 @@ class HistoryEmbedding(nn.Module):
     @staticmethod
     def pool_items(items: torch.Tensor, rows: torch.Tensor, batch: JaggedBatch) -> torch.Tensor:
         """``items[L, d]`` -> ``[B, 2, d]``: the mean over each row's events, then over its clicked ones
-        (action >= 1); zeros where a row has none."""
-        clicked = (batch.history["actions"] >= 1).to(items.dtype)
+        (action >= 1); zeros where a row has none. Sums run in float32 (a bf16 sum over thousands of
+        events would keep three significant digits)."""
+        clicked = (batch.history["actions"] >= 1).float()
         weights = torch.stack([torch.ones_like(clicked), clicked], dim=1)  # [L, 2]
-        sums = items.new_zeros(batch.batch_size, 2, items.shape[1]).index_add_(
-            0, rows, weights[:, :, None] * items[:, None, :]
+        sums = items.new_zeros(batch.batch_size, 2, items.shape[1], dtype=torch.float32).index_add_(
+            0, rows, weights[:, :, None] * items.float()[:, None, :]
         )
         counts = weights.new_zeros(batch.batch_size, 2).index_add_(0, rows, weights)
-        return sums / counts.clamp_min(1.0)[:, :, None]
+        return (sums / counts.clamp_min(1.0)[:, :, None]).to(items.dtype)
 
     def embed_items(self, item_vectors: torch.Tensor) -> torch.Tensor:
         """``[N, item_dim]`` looked-up items -> ``[N, d_model]`` item part of a token (history or candidate)."""

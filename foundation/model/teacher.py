@@ -283,7 +283,8 @@ class GEMTeacher(nn.Module):
         tokens = torch.cat(parts, dim=1)
         expert_input = self.final_interaction(tokens).flatten(1)
         if self.dot_norm is not None:
-            expert_input = torch.cat([expert_input, self.dot_norm(pairwise_dots(tokens))], dim=1)
+            dots = self.dot_norm(pairwise_dots(tokens))
+            expert_input = torch.cat([expert_input, dots.to(expert_input.dtype)], dim=1)
         two_tower = (user_repr * item_repr).sum(-1, keepdim=True) / self.cfg.repr_dim**0.5
         logits = self.experts(expert_input, batch.domain) + self.two_tower_scale * two_tower
         return ModelOutput(
@@ -358,9 +359,14 @@ class GEMTeacher(nn.Module):
 
 
 def pairwise_dots(tokens: torch.Tensor) -> torch.Tensor:
-    """``[B, n, d]`` -> ``[B, n(n-1)/2]``: the dot product of every token pair (upper triangle)."""
+    """``[B, n, d]`` -> ``[B, n(n-1)/2]`` float32: the dot product of every token pair (upper triangle).
+
+    In float32 whatever the tokens' dtype: a bf16 dot of ``d`` terms keeps too few bits for the
+    small differences between candidates that these features exist to expose.
+    """
     n = tokens.shape[1]
     i, j = torch.triu_indices(n, n, offset=1, device=tokens.device)
+    tokens = tokens.float()
     return (tokens @ tokens.transpose(1, 2))[:, i, j]
 
 
