@@ -129,7 +129,7 @@ def ctr_output_flops(
     """Towers, the final interaction stack (and pairwise dots), experts, gates and heads."""
     d = cfg.d_model
     n_item = 1 + len(schema.item_features)
-    n_user_side += 2 if cfg.pooled_history else 0
+    n_user_side += cfg.num_pooled_tokens
     towers = mm(b, n_user_side * d, cfg.repr_dim) + mm(b, n_item * d, cfg.repr_dim)
     dense = mm(b, schema.dense_dim, d) if schema.dense_dim else 0.0
     n_in = n_user_side + int(with_candidate) + n_item + 1 + int(schema.dense_dim > 0)

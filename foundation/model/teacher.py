@@ -159,8 +159,7 @@ class GEMTeacher(nn.Module):
         """User/item towers, the candidate-aware interaction stack, experts and per-domain heads."""
         d = cfg.d_model
         n_item = 1 + len(schema.item_features)
-        n_pooled = 2 if cfg.pooled_history else 0
-        n_user_side = self.num_user_tokens + self.num_summary_tokens + n_pooled
+        n_user_side = self.num_user_tokens + self.num_summary_tokens + cfg.num_pooled_tokens
         self.user_tower = nn.Linear(n_user_side * d, cfg.repr_dim)
         self.item_tower = nn.Linear(n_item * d, cfg.repr_dim)
         self.two_tower_scale = nn.Parameter(torch.ones(len(TASKS)))

@@ -152,6 +152,11 @@ class TeacherConfig:
             raise ValueError("teacher.dropout must be in [0, 1) and teacher.temperature positive")
 
     @property
+    def num_pooled_tokens(self) -> int:
+        """User-side pooled-history tokens on ctr data: the mean over every event and over clicked ones."""
+        return 2 if self.pooled_history else 0
+
+    @property
     def pos_buckets(self) -> int:
         """Relative-position buckets: every distance inside a full sequence plus its CLS/target tokens."""
         return self.max_len + self.num_cls + 2
@@ -188,12 +193,9 @@ def _ml1m(num_layers: int, num_heads: int) -> TeacherConfig:
     )
 
 
-TEACHER_FLAVORS: dict[str, TeacherConfig] = {
-    # `debug` and `large` train the generative next-item objective beside click/conversion, which makes
-    # score_items meaningful on ctr data; on the default world it cost click NE (docs/benchmarks.md,
-    # "Teacher against the DLRM baseline"), so `small`, the measured ranking recipe, leaves it off.
-    # Seconds on a CPU: every block present, tiny widths.
-    "debug": TeacherConfig(
+def _debug() -> TeacherConfig:
+    """Seconds on a CPU: every block present, tiny widths."""
+    return TeacherConfig(
         d_model=32,
         item_dim=32,
         num_layers=2,
@@ -216,38 +218,22 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
         repr_dim=32,
         num_negatives=32,
         generative=True,
-    ),
+    )
+
+
+TEACHER_FLAVORS: dict[str, TeacherConfig] = {
+    # `debug` and `large` train the generative next-item objective beside click/conversion, which makes
+    # score_items meaningful on ctr data; on the default world it cost click NE (docs/benchmarks.md,
+    # "Teacher against the DLRM baseline"), so `small`, the measured ranking recipe, leaves it off.
+    "debug": _debug(),
     # The ctr recipe measured to beat the DLRM on the default world (docs/benchmarks.md, "What made the
-    # teacher win"): narrow, HSTU without InterFormer interleaving, and no CLS or K-most-recent summary
+    # teacher win"): the `debug` widths, HSTU without InterFormer interleaving, and no CLS or K-most-recent summary
     # tokens (the per-user detail they carry is what a ranker memorises within one epoch); the
     # candidate attends to the history, PMA seeds and the pooled-history tokens summarise it, and the
     # generative loss is off (it cost click NE on this data). At d=128 with every summary token the
     # same model memorised within one epoch and lost to the DLRM by .04 NE. 64 events is what was
     # measured (it beat 32, and the DLRM at 256); longer histories need the GPU's kernels to train fast.
-    "small": TeacherConfig(
-        d_model=32,
-        item_dim=32,
-        num_layers=2,
-        num_heads=2,
-        attn_dim=16,
-        value_dim=16,
-        max_len=64,
-        time_buckets=32,
-        interleave=False,
-        num_cls=0,
-        num_pma_seeds=2,
-        num_recent=0,
-        interaction_tokens=6,
-        num_final_interaction_blocks=1,
-        wukong_rank=4,
-        wukong_hidden=64,
-        dcn_rank=16,
-        expert_hidden=64,
-        expert_dim=32,
-        repr_dim=32,
-        num_negatives=32,
-        generative=False,
-    ),
+    "small": _debug().replace(interleave=False, num_cls=0, num_recent=0, generative=False),
     # Sized for one H200 with long sequences (pair with a token budget of ~16k tokens per batch: at
     # 32k the generative loss's per-position negatives alone take ~8 GiB; see docs/benchmarks.md):
     # ~85M parameters in the HSTU blocks and ~410M dense parameters in all; the sequence arch
