@@ -322,7 +322,15 @@ def time_variants(name_fns: dict, tensors, flops_fwd: float, rep: int) -> list[d
     return rows
 
 
-def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool) -> list[dict]:
+def hstu_bias(tokens: int, heads: int, n: int, gen) -> dict:
+    """HSTU's relative bias as the teacher uses it: per-head position ``[H, N+1]`` and time ``[H, 64]`` tables."""
+    pb = (0.1 * torch.randn(heads, n + 1, device=DEVICE, generator=gen)).requires_grad_(True)
+    tb = (0.1 * torch.randn(heads, 64, device=DEVICE, generator=gen)).requires_grad_(True)
+    ts = torch.randint(0, 3000, (tokens,), device=DEVICE, generator=gen).cumsum(0)
+    return dict(pos_bias=pb, time_bias=tb, timestamps=ts)
+
+
+def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: bool) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     dgen = torch.Generator(DEVICE).manual_seed(1)
     varlen = varlen_fn()
@@ -333,22 +341,24 @@ def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool) -> lis
             offsets = offsets_of(lengths)
             lengths_t = offsets[1:] - offsets[:-1]
             q, k, v = leaves(sum(lengths), heads, dim, dim, dgen)
+            extra = hstu_bias(sum(lengths), heads, n, dgen) if bias else {}
+            leaves_ = [q, k, v] + ([extra["pos_bias"], extra["time_bias"]] if bias else [])
             for n_t in targets:
                 num_targets = torch.clamp(lengths_t, max=n_t) if n_t else None
                 pairs = valid_pairs(offsets, n, causal=True, num_targets=num_targets)
                 flops = attention_flops(pairs, heads, dim, dim)
                 for act in acts:
                     tri = functools.partial(tri_attention, q, k, v, offsets, n, activation=act, causal=True,
-                                            num_targets=num_targets)
+                                            num_targets=num_targets, **extra)
                     fns = {"triton": tri, "triton-det": tri} if n_t == 0 else {"triton": tri}
-                    if padded:
+                    if padded and not bias:
                         fns["padded"] = functools.partial(padded_self, q, k, v, offsets, n, lengths_t, act, num_targets)
-                    if act == "softmax" and n_t == 0 and varlen is not None:
+                    if act == "softmax" and n_t == 0 and varlen is not None and not bias:
                         fns["torch_varlen"] = functools.partial(varlen, q, k, v, offsets, offsets, n, n, True)
                     rep = 100 if n <= 4096 else 200
-                    for row in time_variants(fns, [q, k, v], flops, rep):
-                        row.update(op="self", act=act, N=n, lengths=kind, targets=n_t, B=batch, H=heads, D=dim,
-                                   tokens=sum(lengths), pairs=pairs)
+                    for row in time_variants(fns, leaves_, flops, rep):
+                        row.update(op="self+bias" if bias else "self", act=act, N=n, lengths=kind, targets=n_t, B=batch,
+                                   H=heads, D=dim, tokens=sum(lengths), pairs=pairs)
                         rows.append(row)
                         print(fmt_row(row), flush=True)
             torch.cuda.empty_cache()
@@ -395,7 +405,7 @@ def bench_cross(batch: int, padded: bool) -> list[dict]:
 
 
 def fmt_row(r: dict) -> str:
-    head = f"{r['op']:5s} {r['act']:7s} N={r['N']:5d} {r['lengths']:15s} tg={r['targets']:2d} {r['impl']:12s}"
+    head = f"{r['op']:9s} {r['act']:7s} N={r['N']:5d} {r['lengths']:15s} tg={r['targets']:2d} {r['impl']:12s}"
     if "error" in r:
         return f"{head} {r['error']}"
     line = (f"{head} fwd {r['fwd_ms']:8.3f}ms {r['fwd_tflops']:6.1f}TF | bwd {r['bwd_ms']:8.3f}ms {r['bwd_tflops']:6.1f}TF"
@@ -418,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-padded", action="store_true", help="skip the padded PyTorch baselines")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-cross", action="store_true")
+    parser.add_argument("--bias", action="store_true", help="self-attention with HSTU's position and time bias tables")
     parser.add_argument("--workers", type=int, default=12, help="processes for checks and compiles")
     parser.add_argument("--json", type=str, default=None, help="write every row here")
     args = parser.parse_args(argv)
@@ -437,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks:
         errs = " ".join(f"{k}={v:.1e}" for k, v in c["errors"].items())
         print(f"check {c['case']:48s} {errs} rerun={c['rerun_max_diff']:.1e} finite={c['finite']}", flush=True)
-    rows = bench_self(args.n, args.lengths, args.targets, args.acts, args.batch, args.heads, args.dim, not args.no_padded)
+    rows = bench_self(args.n, args.lengths, args.targets, args.acts, args.batch, args.heads, args.dim, not args.no_padded,
+                      args.bias)
     if not args.no_cross:
         rows += bench_cross(args.cross_batch, not args.no_padded)
     if args.json:
