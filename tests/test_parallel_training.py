@@ -168,6 +168,10 @@ CASES = {
         {"dp_shard": 1, "cp": 2},
         dataclasses.replace(sparse(("table_wise",)), activation_checkpointing=True),
     ),
+    # The generative next-item loss under CP: every cp rank scores the gathered sequences' positions
+    # against the same sampled negatives as the single process.
+    "teacher_generative_w1": Case(1, "teacher_generative", {}, sparse(("table_wise",))),
+    "teacher_generative_cp2": Case(2, "teacher_generative", {"dp_shard": 1, "cp": 2}, sparse(("table_wise",))),
     # Head-parallel CP attention: all-to-all to one head per rank, whole-sequence attention per head.
     "teacher_cp2_heads": Case(
         2, "teacher", {"dp_shard": 1, "cp": 2}, dataclasses.replace(sparse(("table_wise",)), cp_attention="heads")
@@ -199,6 +203,7 @@ CASES = {
 }
 SAVES = {c.resume_from for c in CASES.values() if c.resume_from}
 KILLED_EXIT_CODE = 17
+STEP_SEED = 1000
 
 
 def build_model(kind: str) -> torch.nn.Module:
@@ -206,7 +211,8 @@ def build_model(kind: str) -> torch.nn.Module:
     if kind == "dlrm":
         cfg = DLRMConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 8), repr_dim=8)
         return DLRMBaseline(cfg, CTR_SCHEMA, {"click": 1.0, "conversion": 1.0})
-    return build_teacher(tiny_config(dropout=0.0, interleave=kind != "teacher_flat"), CTR_SCHEMA)
+    cfg = tiny_config(dropout=0.0, interleave=kind != "teacher_flat", generative=kind == "teacher_generative")
+    return build_teacher(cfg, CTR_SCHEMA)
 
 
 def global_batches():
@@ -230,7 +236,8 @@ def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
         apply_sparse_optimizer(model, case.cfg.embeddings)
     optimizer = build_dense_optimizer(model, case.cfg)
     losses = []
-    for batch, num_slices in zip(global_batches(), case.step_slices(), strict=True):
+    for step, (batch, num_slices) in enumerate(zip(global_batches(), case.step_slices(), strict=True)):
+        torch.manual_seed(STEP_SEED + step)  # the sampled negatives of the generative loss
         loss = sum(model.loss(b, model(b))["loss"] for b in slices_of(batch, num_slices)) / num_slices
         loss.backward()
         optimizer.step()
@@ -269,6 +276,8 @@ def train_parallel(name: str, checkpoints: Path) -> tuple[list[float], dict[str,
                 die_after_writing_shards(rank=1)
             save_checkpoint(checkpoints / name, model, optimizer, step)
         part = slices_of(batch, dims.dp)[dims.dp_rank()]
+        # Every rank draws the reference's negatives (exact only with one data-parallel slice).
+        torch.manual_seed(STEP_SEED + step)
         loss = model.loss(part, model(part))["loss"]
         loss.backward()
         optimizer.step()

@@ -57,7 +57,10 @@ class Encoded:
         user_tokens: ``[B, n_u, d]`` non-sequence user state (``n_u = 0`` when the model has none).
         summary: ``[B, n_s, d]`` last sequence summary (``n_s = 0`` when none is built).
         item_features: ``[B, F_item, d]`` the candidate's categorical features (ctr only).
+        history_vectors: ``[L, item_dim]`` history item embeddings from the item table.
         candidate_vectors: ``[B, item_dim]`` candidate embeddings from the item table.
+        negative_ids, negative_vectors: ``[N, K]`` uniform negatives and ``[N * K, item_dim]`` their
+            embeddings, drawn in a training forward of the generative objective (else None).
         candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected).
         pooled: ``[B, P, d]`` mean item part of each history, over all and over clicked events (ctr with
             ``pooled_history``; ``P = 0`` otherwise).
@@ -68,9 +71,12 @@ class Encoded:
     user_tokens: torch.Tensor
     summary: torch.Tensor
     item_features: torch.Tensor
+    history_vectors: torch.Tensor
     candidate_vectors: torch.Tensor
     candidate_items: torch.Tensor
     pooled: torch.Tensor
+    negative_ids: torch.Tensor | None
+    negative_vectors: torch.Tensor | None
 
 
 class GEMTeacher(nn.Module):
@@ -208,8 +214,17 @@ class GEMTeacher(nn.Module):
     def encode(self, batch: JaggedBatch) -> Encoded:
         """Embeddings, then the HSTU layers interleaved with the non-sequence arch."""
         num_tokens, b = batch.num_tokens, batch.batch_size
-        vectors = self.items(torch.cat([batch.history["item_ids"], batch.candidate]))
-        history_vectors, candidate_vectors = vectors.split([num_tokens, b])
+        # A training step looks the item table up once: the generative loss's negatives join the history
+        # and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
+        # lookup in the loss would give its rows a second optimiser step that one device never takes.
+        negative_ids = self.draw_negatives(batch) if self.training and self.with_queries else None
+        ids = [batch.history["item_ids"], batch.candidate]
+        if negative_ids is not None:
+            ids.append(negative_ids.flatten())
+        vectors = self.items(torch.cat(ids))
+        history_vectors, candidate_vectors, negative_vectors = vectors.split(
+            [num_tokens, b, vectors.shape[0] - num_tokens - b]
+        )
         user_tokens, item_features = self.embed_non_sequence(batch)
 
         layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
@@ -236,7 +251,8 @@ class GEMTeacher(nn.Module):
             summary = self.summarize(0, seq, layout, batch)
         history, suffix = layout.split(seq)
         return Encoded(
-            history, suffix, user_tokens, summary, item_features, candidate_vectors, candidate_items, pooled
+            history, suffix, user_tokens, summary, item_features, history_vectors, candidate_vectors,
+            candidate_items, pooled, negative_ids, negative_vectors if negative_ids is not None else None,
         )
 
     # -- outputs ----------------------------------------------------------------------------------
@@ -259,6 +275,9 @@ class GEMTeacher(nn.Module):
         extra = {}
         if self.with_queries:
             extra["position_queries"], extra["next_item_query"] = self.next_item_queries(batch, enc.history)
+            extra["history_vectors"], extra["candidate_vectors"] = enc.history_vectors, enc.candidate_vectors
+            if enc.negative_ids is not None:
+                extra["negative_ids"], extra["negative_vectors"] = enc.negative_ids, enc.negative_vectors
         if self.next_item:
             user_repr, item_repr = extra["next_item_query"], l2_normalize(enc.candidate_vectors)
             extra["candidate_score"] = (user_repr * item_repr).sum(-1) / self.cfg.temperature
@@ -301,30 +320,45 @@ class GEMTeacher(nn.Module):
         On next_item data the last history position predicts the candidate, and a row with an
         empty history predicts it from the learned empty-history query.
         """
-        candidate = batch.candidate if self.next_item else None
-        targets, valid = next_item_targets(batch.history["item_ids"], batch.offsets, candidate)
+        num_tokens, b, device = batch.num_tokens, batch.batch_size, batch.offsets.device
+        # Targets index the forward's item vectors ``[history; candidates]``: the next token's item,
+        # and on next_item data the candidate after a row's last token and for empty rows.
+        candidate_index = num_tokens + torch.arange(b, device=device)
+        target_index, valid = next_item_targets(
+            torch.arange(num_tokens, device=device), batch.offsets, candidate_index if self.next_item else None
+        )
         queries = out.extra["position_queries"]
         if self.next_item:
             queries = torch.cat([queries, out.extra["next_item_query"]])
-            targets = torch.cat([targets, batch.candidate])
+            target_index = torch.cat([target_index, candidate_index])
             valid = torch.cat([valid, batch.lengths == 0])
-        n, k = targets.numel(), self.cfg.num_negatives
-        negatives = torch.randint(self.schema.num_items, (n, k), device=targets.device)
-        shared = batch.candidate if self.cfg.in_batch_negatives else targets[:0]
-        vectors = l2_normalize(self.items(torch.cat([targets, negatives.flatten(), shared])))
-        target_vec, negative_vec, shared_vec = vectors.split([n, n * k, shared.numel()])
+        item_ids = torch.cat([batch.history["item_ids"], batch.candidate])
+        item_vectors = l2_normalize(torch.cat([out.extra["history_vectors"], out.extra["candidate_vectors"]]))
+        targets, target_vec = item_ids[target_index], item_vectors[target_index]
+        if "negative_ids" in out.extra:
+            negatives, negative_vec = out.extra["negative_ids"], out.extra["negative_vectors"]
+        else:  # evaluation: no optimiser step follows, so a second lookup changes nothing
+            negatives = self.draw_negatives(batch)
+            negative_vec = self.items(negatives.flatten())
+        n, k = negatives.shape
         per_position = sampled_softmax_loss(
             queries,
             targets,
             target_vec,
             negatives,
-            negative_vec.view(n, k, self.cfg.item_dim),
+            l2_normalize(negative_vec).view(n, k, self.cfg.item_dim),
             self.cfg.temperature,
-            shared if self.cfg.in_batch_negatives else None,
-            shared_vec if self.cfg.in_batch_negatives else None,
+            batch.candidate if self.cfg.in_batch_negatives else None,
+            item_vectors[num_tokens:] if self.cfg.in_batch_negatives else None,
         )
         weight = valid.to(per_position.dtype)
         return (per_position * weight).sum() / weight.sum().clamp_min(1.0)
+
+    def draw_negatives(self, batch: JaggedBatch) -> torch.Tensor:
+        """``[N, num_negatives]`` uniform item ids for the ``N`` next-item positions (every history token,
+        plus one per row on next_item data)."""
+        n = batch.num_tokens + (batch.batch_size if self.next_item else 0)
+        return torch.randint(self.schema.num_items, (n, self.cfg.num_negatives), device=batch.offsets.device)
 
     def loss(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor]:
         """``{"loss", ...terms}``: the generative loss (next_item), or masked BCE per task (ctr) plus,
