@@ -19,7 +19,9 @@ Reported (stdout and ``--json``): time to the first finished step from process s
 the start of the model build; steady-state tokens/s, TFLOP/s and MFU over the steps after
 ``--warmup`` (each step timed end to end, data wait included; FLOPs from ``model.flops`` on the
 host batch, valid tokens only; peak from :func:`foundation.model.flops.peak_flops`); peak GPU
-memory (``torch.cuda.max_memory_allocated``); the loss of the first and last steps.
+memory (``torch.cuda.max_memory_allocated``); the loss of the first and last steps. ``--profile N``
+then runs ``N`` more steps under ``torch.profiler`` and prints (and stores) the operators and kernels
+that took the most device time.
 
 ``--backend pytorch`` runs every attention of the model on the padded PyTorch reference (through
 ``GEM_ATTENTION_BACKEND``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
@@ -58,6 +60,7 @@ def process_age_s() -> float:
 
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  # noqa: E402
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
@@ -96,23 +99,28 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     stream = EventStream(data_dir, "train", data_cfg, training=True)
     times, flops, tokens, rows, max_lens, losses = [], [], [], [], [], []
+
+    def step(batch) -> torch.Tensor:
+        batch = batch.to(device, non_blocking=True)
+        with autocast:
+            loss = model.loss(batch, model(batch))["loss"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if use_cuda:
+            torch.cuda.synchronize(device)
+        return loss
+
+    batches = iter(build_dataloader(stream, data_cfg))
     start = last = time.perf_counter()
-    for batch in build_dataloader(stream, data_cfg):
+    for batch in batches:
         if len(times) == args.steps:
             break
         flops.append(model.flops(batch))  # on the host copy: no device sync
         tokens.append(batch.num_tokens)
         rows.append(batch.batch_size)
         max_lens.append(batch.max_len)
-        batch = batch.to(device, non_blocking=True)
-        with autocast:
-            out = model(batch)
-            loss = model.loss(batch, out)["loss"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if use_cuda:
-            torch.cuda.synchronize(device)
+        loss = step(batch)
         now = time.perf_counter()
         losses.append(float(loss.detach()))
         times.append(now - last)
@@ -128,7 +136,23 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
         if now - start > args.time_limit:
             print(f"time limit {args.time_limit} s reached after {len(times)} steps", flush=True)
             break
-    return {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
+    trace = {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
+    if args.profile:
+        trace["profile"] = profile_steps(step, batches, args.profile, use_cuda)
+    return trace
+
+
+def profile_steps(step, batches, num_steps: int, use_cuda: bool) -> str:
+    """``torch.profiler`` over the next ``num_steps`` steps: the operators and kernels that took the most
+    device time (host time on CPU), as a table; printed and kept in the JSON."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    with profile(activities=activities) as prof:
+        for _, batch in zip(range(num_steps), batches, strict=False):
+            step(batch)
+    sort_by = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=20, max_name_column_width=60)
+    print(table, flush=True)
+    return table
 
 
 def summarize(trace: dict, warmup: int, peak: float | None) -> dict:
@@ -281,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="after the timed steps, profile this many more (torch.profiler table)"
+    )
     return parser
 
 

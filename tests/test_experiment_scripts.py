@@ -1,5 +1,5 @@
-"""The GPU experiment script run end to end on CPU: the command lines the sweeps use, its recalibration, and the
-`small` teacher learning the synthetic world."""
+"""The GPU experiment scripts run end to end on CPU: the command lines the sweeps use, the recalibration, the
+`small` teacher learning the synthetic world, and the teacher benchmark's profiler."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from experiments import bench_teacher
 from experiments.teacher_vs_baseline import main, recalibrate
 from foundation.data.synthetic import generate_world, synth_preset
 from foundation.metrics import PredictionLog
@@ -66,3 +67,16 @@ def test_small_teacher_learns_the_synthetic_world_and_beats_the_constant_predict
     assert test["click/oracle_ne"] < test["click/ne"]
     # Overall only: a domain of this 4k-row test split holds 24-221 clicks (reels 48), too few for a per-domain
     # bound (reels' AUC standard error is ~0.04; seeds 0-2 score .547-.559 there).
+
+
+def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
+    """`bench_teacher --profile N` (what found the bias-gradient hot spot): the timed steps, then a
+    profiler table of N more, in the JSON."""
+    out = tmp_path / "bench.json"
+    argv = ["--flavor", "debug", "--steps", "2", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
+            "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"), "--profile", "1",
+            "--json", str(out)]
+    assert bench_teacher.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["steps_run"] == 2 and result["losses_finite"]
+    assert "aten::" in result["trace"]["profile"] and "Self CPU" in result["trace"]["profile"]
