@@ -344,7 +344,7 @@ def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: 
             lengths_t = offsets[1:] - offsets[:-1]
             q, k, v = leaves(sum(lengths), heads, dim, dim, dgen)
             extra = hstu_bias(sum(lengths), heads, n, dgen) if bias else {}
-            leaves_ = [q, k, v] + ([extra["pos_bias"], extra["time_bias"]] if bias else [])
+            grad_leaves = [q, k, v] + ([extra["pos_bias"], extra["time_bias"]] if bias else [])
             for n_t in targets:
                 num_targets = torch.clamp(lengths_t, max=n_t) if n_t else None
                 pairs = valid_pairs(offsets, n, causal=True, num_targets=num_targets)
@@ -358,7 +358,7 @@ def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: 
                     if act == "softmax" and n_t == 0 and varlen is not None and not bias:
                         fns["torch_varlen"] = functools.partial(varlen, q, k, v, offsets, offsets, n, n, True)
                     rep = 100 if n <= 4096 else 200
-                    for row in time_variants(fns, leaves_, flops, rep):
+                    for row in time_variants(fns, grad_leaves, flops, rep):
                         row.update(op="self+bias" if bias else "self", act=act, N=n, lengths=kind, targets=n_t, B=batch,
                                    H=heads, D=dim, tokens=sum(lengths), pairs=pairs)
                         rows.append(row)

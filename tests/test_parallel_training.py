@@ -168,8 +168,9 @@ CASES = {
         {"dp_shard": 1, "cp": 2},
         dataclasses.replace(sparse(("table_wise",)), activation_checkpointing=True),
     ),
-    # The generative next-item loss under CP: every cp rank scores the gathered sequences' positions
-    # against the same sampled negatives as the single process.
+    # The generative next-item loss, with the item table sharded on one rank and under CP: the table
+    # must take one optimiser step per training step, and every cp rank scores the gathered sequences'
+    # positions against the same sampled negatives as the single process.
     "teacher_generative_w1": Case(1, "teacher_generative", {}, sparse(("table_wise",))),
     "teacher_generative_cp2": Case(2, "teacher_generative", {"dp_shard": 1, "cp": 2}, sparse(("table_wise",))),
     # Head-parallel CP attention: all-to-all to one head per rank, whole-sequence attention per head.
