@@ -146,9 +146,17 @@ CHECK_LENGTHS = [0, 1, 700, 333, 64, 17, 700, 129]
 CHECK_TARGETS = [0, 1, 20, 3, 0, 17, 5, 2]
 
 
-def check_jobs() -> list[tuple]:
-    """Every checked variant: (kind, name, arguments); run in worker processes."""
+def check_jobs(ptr: bool = False) -> list[tuple]:
+    """Every checked variant: (kind, name, arguments); run in worker processes. ``ptr`` adds the
+    kernels with pointer loads instead of TMA descriptors."""
     jobs = []
+    if ptr:
+        for act in ("softmax", "silu"):
+            jobs.append(("self", f"{act} causal D=128 pointer loads",
+                         dict(heads=2, dqk=128, dv=128, activation=act, causal=True, ptr=True)))
+            jobs.append(("self", f"{act} causal targets+window+pos+time pointer loads",
+                         dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64,
+                              time=32, ptr=True)))
     for act in ("softmax", "silu", "gelu", "relu", "identity"):
         jobs.append(("self", f"{act} causal D=128", dict(heads=2, dqk=128, dv=128, activation=act, causal=True)))
     for act in ("softmax", "silu"):
@@ -199,6 +207,8 @@ def run_job(job: tuple) -> dict | None:
     os.environ["GEM_KERNELS_AUTOTUNE"] = "0"
     if kw.pop("det", False):
         os.environ["GEM_KERNELS_DETERMINISTIC"] = "1"
+    if kw.pop("ptr", False):
+        os.environ["GEM_KERNELS_TMA"] = "0"
     if kind == "cross":
         return check_cross(name, kw.pop("q_lens"), kw.pop("kv_lens"), kw.pop("heads"), 128, gen, kw.pop("activation"))
     if kw.pop("targets", False):
@@ -286,8 +296,10 @@ def time_variants(name_fns: dict, tensors, flops_fwd: float, rep: int) -> list[d
     rows = []
     for impl, fn in name_fns.items():
         row = {"impl": impl}
-        # "-det" rows run the deterministic backward (a separate dQ pass, no atomics).
+        # "-det" rows run the deterministic backward (a separate dQ pass, no atomics); "-ptr" rows load
+        # tiles with pointer loads instead of TMA descriptors.
         os.environ["GEM_KERNELS_DETERMINISTIC"] = "1" if impl.endswith("-det") else "0"
+        os.environ["GEM_KERNELS_TMA"] = "0" if impl.endswith("-ptr") else "1"
         # The padded path runs ~100 ms a step at N=8192: a few repeats give a stable median.
         rep_ms = 30 if impl == "padded" else rep
         try:
@@ -332,7 +344,7 @@ def hstu_bias(tokens: int, heads: int, n: int, gen) -> dict:
     return dict(pos_bias=pb, time_bias=tb, timestamps=ts)
 
 
-def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: bool) -> list[dict]:
+def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: bool, ptr: bool) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     dgen = torch.Generator(DEVICE).manual_seed(1)
     varlen = varlen_fn()
@@ -353,6 +365,8 @@ def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: 
                     tri = functools.partial(tri_attention, q, k, v, offsets, n, activation=act, causal=True,
                                             num_targets=num_targets, **extra)
                     fns = {"triton": tri, "triton-det": tri} if n_t == 0 else {"triton": tri}
+                    if ptr:
+                        fns["triton-ptr"] = tri
                     if padded and not bias:
                         fns["padded"] = functools.partial(padded_self, q, k, v, offsets, n, lengths_t, act, num_targets)
                     if act == "softmax" and n_t == 0 and varlen is not None and not bias:
@@ -431,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-cross", action="store_true")
     parser.add_argument("--bias", action="store_true", help="self-attention with HSTU's position and time bias tables")
+    parser.add_argument("--ptr", action="store_true",
+                        help="also check and time the kernels with pointer loads (GEM_KERNELS_TMA=0)")
     parser.add_argument("--workers", type=int, default=12, help="processes for checks and compiles")
     parser.add_argument("--json", type=str, default=None, help="write every row here")
     args = parser.parse_args(argv)
@@ -443,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "triton": triton.__version__, "argv": sys.argv}
     meta.update(ceilings())
     print(json.dumps(meta), flush=True)
-    jobs = [] if args.no_checks else check_jobs()
+    jobs = [] if args.no_checks else check_jobs(args.ptr)
     jobs += warm_jobs(args.acts, args.targets, args.heads, args.dim, not args.no_cross)
     checks = run_parallel(jobs, args.workers)
     print(f"checks and compiles done in parallel: {len(jobs)} jobs", flush=True)
@@ -451,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         errs = " ".join(f"{k}={v:.1e}" for k, v in c["errors"].items())
         print(f"check {c['case']:48s} {errs} rerun={c['rerun_max_diff']:.1e} finite={c['finite']}", flush=True)
     rows = bench_self(args.n, args.lengths, args.targets, args.acts, args.batch, args.heads, args.dim, not args.no_padded,
-                      args.bias)
+                      args.bias, args.ptr)
     if not args.no_cross:
         rows += bench_cross(args.cross_batch, not args.no_padded)
     if args.json:

@@ -14,6 +14,14 @@ a second kernel with one program per query block (softmax, and every activation 
 units so each probability is one FMA and one ``exp2``. The mask semantics are those of
 :mod:`kernels.pytorch.jagged_attention`.
 
+On Hopper and newer the forward loads its query tile and streams its key and value tiles
+through TMA tensor descriptors, for head dims of 16-256 that are powers of two: 3-9% faster than
+pointer loads on the H200 (docs/benchmarks.md); in the backward passes they measured no faster (dQ)
+or slower (dK/dV), so those keep pointer loads. A descriptor tile that runs past a sequence holds
+the next sequence's rows where pointer loads would read zeros; the boundary tiles' mask drops them.
+``GEM_KERNELS_TMA=0`` falls back to pointer loads; ``GEM_KERNELS_TMA=1`` turns descriptors on in
+the interpreter, where tests check them.
+
 Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -35,7 +43,7 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
 # Arguments that change with the batch's contents: specializing on their divisibility would
 # recompile the kernels for batches of the same shape.
-_NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "L"]
+_NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "L", "L_Q", "L_KV"]
 
 
 @triton.jit
@@ -101,7 +109,7 @@ def _bias_index(qi, kj, n_hist, ts_q, ts_k, P_SIZE, T_SIZE, HAS_PB: tl.constexpr
         d = tl.abs(tl.minimum(qi, n_hist) - tl.minimum(kj, n_hist))
         pos_idx = tl.minimum(d, P_SIZE - 1)
     if HAS_TB:
-        dt = tl.maximum(tl.abs(ts_q - ts_k).to(tl.float32), 1.0)
+        dt = tl.maximum(tl.abs(ts_q - ts_k), 1.0)
         bucket = tl.floor(tl.log(dt) / _TIME_DIV).to(tl.int32)
         time_idx = tl.minimum(tl.maximum(bucket, 0), T_SIZE - 1)
     return pos_idx, time_idx
@@ -119,24 +127,45 @@ def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB
 
 
 @triton.jit
+def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
+             TMA: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
+             BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One ``[BLOCK_N, D]`` key tile and value tile: through TMA descriptors, or masked pointer loads.
+
+    A descriptor tile past the sequence's end holds the next sequence's rows (zeros past the
+    tensor); the mask of the boundary tiles removes them from every score, as it removes padding.
+    """
+    if TMA:
+        k = k_desc.load([row0 + start_n, col_k])
+        v = v_desc.load([row0 + start_n, col_v])
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_dqk = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row_ok = offs_n[:, None] < kv_len
+        k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :],
+                    mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :],
+                    mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
+    return k, v
+
+
+@triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
-    kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+    kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        row_ok = offs_n[:, None] < kv_len
-        k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :], mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :], mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
+        k, v = _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
+                        TMA, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
+            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
             pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
             s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
         if ACT == 0:
@@ -190,10 +219,11 @@ def _fwd_kernel(
     Q, K, V, Out, LSE, Q_OFF, KV_OFF, NT, TS, PB, TB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
     stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET,
+    L_Q, L_KV,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -207,9 +237,19 @@ def _fwd_kernel(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ok = offs_m < q_len
-    q = tl.load(Q + q_start * stride_qm + h * stride_qh + offs_m[:, None] * stride_qm + offs_dqk[None, :],
-                mask=q_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
-    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0) if HAS_TB else offs_m
+    if TMA:
+        # 2-D views ``[rows, H * D]`` of the (row-major, head-contiguous) inputs; a tile is one head's columns.
+        q_desc = tl.make_tensor_descriptor(Q, shape=[L_Q, H * DQK], strides=[stride_qm, 1], block_shape=[BLOCK_M, DQK])
+        k_desc = tl.make_tensor_descriptor(K, shape=[L_KV, H * DQK], strides=[stride_km, 1], block_shape=[BLOCK_N, DQK])
+        v_desc = tl.make_tensor_descriptor(V, shape=[L_KV, H * DV], strides=[stride_vm, 1], block_shape=[BLOCK_N, DV])
+        q = q_desc.load([(q_start + m_start).to(tl.int32), h * DQK])
+    else:
+        k_desc = K
+        v_desc = V
+        q = tl.load(Q + q_start * stride_qm + h * stride_qh + offs_m[:, None] * stride_qm + offs_dqk[None, :],
+                    mask=q_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
+    row0 = kv_start.to(tl.int32)
+    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
@@ -224,13 +264,15 @@ def _fwd_kernel(
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
-        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK, h * DV,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        TMA,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK, h * DV,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        TMA,
     )
     if ACT == 0:
         empty = l_i == 0.0
@@ -261,7 +303,7 @@ def _bwd_dq_tiles(
         v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :], mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
+            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
             pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
             s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
         dp = tl.dot(do, tl.trans(v))
@@ -318,7 +360,7 @@ def _bwd_dq_kernel(
     else:
         lse = tl.zeros([BLOCK_M], dtype=tl.float32)
         delta = lse
-    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0) if HAS_TB else offs_m
+    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
@@ -374,7 +416,7 @@ def _bwd_dkdv_tiles(
                      mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
+            ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0.0) if HAS_TB else offs_m
             pos_idx, time_idx = _bias_index(offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
             s_t = _add_bias(s_t, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
         dp_t = tl.dot(v, tl.trans(do))
@@ -435,7 +477,7 @@ def _bwd_dkdv_kernel(
                 mask=n_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
     v = tl.load(V + kv_start * stride_vm + h * stride_vh + offs_n[:, None] * stride_vm + offs_dv[None, :],
                 mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    ts_n = tl.load(TS + kv_start + offs_n, mask=n_ok, other=0) if HAS_TB else offs_n
+    ts_n = tl.load(TS + kv_start + offs_n, mask=n_ok, other=0.0) if HAS_TB else offs_n
 
     # Query tiles that can see this key block: causal ones start at the block's diagonal.
     lo = n_start // BLOCK_M * BLOCK_M if CAUSAL else 0
@@ -501,32 +543,43 @@ def _scale_cast_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
     tl.store(Y + offs, (x * scale).to(Y.dtype.element_ty), mask=offs < n)
 
 
-def _fwd_configs() -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
-    ]
+def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` tuples as configs, tagged by the variants they serve."""
+    out = []
+    for tag, rows in (("plain", plain), ("biased", biased)):
+        for bm, bn, warps, stages in rows:
+            config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+            config.gem_tag = tag
+            out.append(config)
+    return out
 
 
-def _dq_configs() -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=4, num_stages=4),
-    ]
+# Each list's first config is the one used untuned (GEM_KERNELS_AUTOTUNE=0). The biased variants
+# gather a bias-table entry per score; their pointer tensors exhaust the registers of large tiles
+# (255 registers and 278 spilled at 128x64 in the forward on the H200, 2.4x slower than 128x32),
+# so they get smaller tiles of their own.
+_FWD_CONFIGS = _configs(
+    plain=[(256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+    biased=[(128, 32, 4, 3), (64, 64, 8, 2)],
+)
+_DQ_CONFIGS = _configs(
+    plain=[(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
+    biased=[(64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3)],
+)
+_DKDV_CONFIGS = _configs(
+    plain=[(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
+    biased=[(32, 64, 8, 2), (16, 64, 4, 3), (64, 64, 8, 2)],
+)
 
 
-def _dkdv_configs() -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-    ]
+def _configs_for(configs: list[triton.Config], meta: dict) -> list[triton.Config]:
+    """The configs of ``configs`` that serve this variant (biased or not)."""
+    tag = "biased" if meta.get("HAS_PB") or meta.get("HAS_TB") else "plain"
+    return [c for c in configs if c.gem_tag == tag]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
+    return _configs_for(configs, meta)
 
 
 # Autotuning is keyed per variant and per bucket of the longest and the mean length (a full
@@ -534,10 +587,13 @@ def _dkdv_configs() -> list[triton.Config]:
 # first-call compile time to a few configs per kernel. Only the CUDA path is tuned: the
 # interpreter runs fixed tiles.
 _TUNE_KEY = ["N_BUCKET", "AVG_BUCKET", "DQK", "DV", "ACT", "CAUSAL", "HAS_TARGETS", "HAS_WINDOW", "HAS_PB", "HAS_TB"]
-_fwd_tuned = triton.autotune(_fwd_configs(), key=_TUNE_KEY)(_fwd_kernel)
-_dq_tuned = triton.autotune(_dq_configs(), key=_TUNE_KEY, reset_to_zero=["DPB", "DTB"])(_bwd_dq_kernel)
+_PRUNE = {"early_config_prune": _prune}
+_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=[*_TUNE_KEY, "TMA"], prune_configs_by=_PRUNE)(_fwd_kernel)
+_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPB", "DTB"])(
+    _bwd_dq_kernel
+)
 _dkdv_tuned = triton.autotune(
-    _dkdv_configs(), key=[*_TUNE_KEY, "FUSED_DQ"], reset_to_zero=["DQ_ACC", "DPB", "DTB"]
+    _DKDV_CONFIGS, key=[*_TUNE_KEY, "FUSED_DQ"], prune_configs_by=_PRUNE, reset_to_zero=["DQ_ACC", "DPB", "DTB"]
 )(_bwd_dkdv_kernel)
 
 # Interpreter tiles: unequal M and N so tests cross tile boundaries both ways.
@@ -626,6 +682,43 @@ def _common_args(q, k, v, pb, tb, spec):
     return pb_t, tb_t, nt, ts, meta, scalars
 
 
+def _tma_ok(x: torch.Tensor) -> bool:
+    """A ``[L, H, D]`` tensor that a TMA descriptor can read as ``[L, H * D]``: heads contiguous, a
+    power-of-two D of 16-256 elements (the tile is one head's columns), 16-byte aligned base and rows."""
+    d, size = x.shape[2], x.element_size()
+    return (
+        x.shape[0] > 0
+        and x.stride(2) == 1
+        and x.stride(1) == d
+        and _block_d(d) == d <= 256
+        and x.data_ptr() % 16 == 0
+        and (x.stride(0) * size) % 16 == 0
+    )
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels load tiles through TMA descriptors: Hopper or newer (or the interpreter
+    with ``GEM_KERNELS_TMA=1``), inputs that :func:`_tma_ok` accepts, and not ``GEM_KERNELS_TMA=0``."""
+    q = tensors[0]
+    if os.environ.get("GEM_KERNELS_TMA", "1" if q.is_cuda else "0") != "1":
+        return False
+    if not all(_tma_ok(x) for x in tensors):
+        return False
+    if not q.is_cuda:
+        return True
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    # Device-side descriptors need global scratch memory, which Triton asks this allocator for. It
+    # lives in a context variable, so it is set on every call: autograd runs the backward in its own
+    # thread, which does not see the forward thread's.
+    triton.set_allocator(_tma_scratch)
+    return True
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _autotune_enabled() -> bool:
     """``GEM_KERNELS_AUTOTUNE=0`` runs each kernel's first config untuned (quick compiles for checks)."""
     return os.environ.get("GEM_KERNELS_AUTOTUNE", "1") != "0"
@@ -636,7 +729,7 @@ def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, k
     if on_cuda and _autotune_enabled():
         tuned[lambda meta: (batch_heads, triton.cdiv(grid_rows, meta[block_key]))](*args, **kwargs)
     elif on_cuda:
-        config = tuned.configs[0]
+        config = _configs_for(tuned.configs, kwargs)[0]
         grid = (batch_heads, triton.cdiv(grid_rows, config.kwargs[block_key]))
         plain[grid](*args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     else:
@@ -679,8 +772,9 @@ class _JaggedAttentionFn(torch.autograd.Function):
             args = (q, k, v, out, lse, q_offsets, kv_offsets, nt, ts, pb, tb,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
+            tma = _use_tma(q, k, v)
             _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, args,
-                    {**scalars, **meta}, q.is_cuda)
+                    {**scalars, **meta, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda)
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, pos_bias, time_bias)
         ctx.spec = spec
         return out
@@ -775,12 +869,25 @@ def jagged_attention(
         _default_alpha(alpha, q),
         window,
         num_targets.to(torch.int64).contiguous() if num_targets is not None else None,
-        timestamps.contiguous() if time_bias is not None else None,
+        relative_timestamps(timestamps, offsets) if time_bias is not None else None,
         max_len,
         max_len,
         offsets.numel() - 1,
     )
     return _JaggedAttentionFn.apply(q, k, v, pos_bias, time_bias, offsets, offsets, spec)
+
+
+def relative_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[L]`` float32 offsets of each event from its sequence's first one.
+
+    The time bias needs only differences inside a sequence, so the kernels work on these instead
+    of int64 times: every per-pair operation stays 32-bit. Offsets below 2**24 (194 days in
+    seconds) are exact, so are their differences, and the buckets equal the int64 computation's;
+    longer spans round to 24 significant bits, which can move a pair across a bucket edge only
+    when its log-time lies within ~1e-7 of that edge.
+    """
+    seq = torch.searchsorted(offsets[1:], torch.arange(timestamps.numel(), device=timestamps.device), right=True)
+    return (timestamps - timestamps[offsets[seq]]).to(torch.float32)
 
 
 def jagged_cross_attention(

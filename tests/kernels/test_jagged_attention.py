@@ -16,6 +16,7 @@ import kernels
 from kernels import jagged_attention, jagged_cross_attention
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import time_bucket
+from kernels.triton import jagged_attention as triton_backend
 
 ACTS = ["softmax", "silu", "gelu", "relu", "identity"]
 
@@ -178,6 +179,42 @@ def test_triton_head_dims_fp16(dims, activation):
     got = _run("triton", t, offsets, 33, 3, **kwargs)
     assert all(g.dtype == torch.float16 for g in got[:4])
     _assert_close(got, want, 1e-2, f"fp16 {dims} {activation}")
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize(
+    "flags", [dict(), dict(targets=True, window=9, pos=6, time=5)], ids=["plain", "targets-window-bias"]
+)
+def test_triton_forward_through_tma_descriptors_matches_reference(activation, flags, monkeypatch):
+    """``GEM_KERNELS_TMA=1``: key and value tiles read past a sequence's end (into the next one, and
+    past the tensor's last row, which TMA fills with zeros) must still match the reference once masked."""
+    monkeypatch.setenv("GEM_KERNELS_TMA", "1")
+    lengths = [37, 0, 1, 20, 45]  # the last sequence ends at the tensor's end, mid-tile
+    t = _inputs(lengths, 2, 16, 32, torch.float32, seed=11, pos=flags.get("pos", 0), time=flags.get("time", 0))
+    assert triton_backend._use_tma(t["q"], t["k"], t["v"])
+    assert not triton_backend._use_tma(t["q"][:, :, :12], t["k"][:, :, :12], t["v"])  # D=12: pointer loads
+    num_targets = torch.tensor([3, 0, 1, 2, 4]) if flags.get("targets") else None
+    kwargs = dict(activation=activation, causal=True, num_targets=num_targets, window=flags.get("window"))
+    offsets = _offsets(lengths)
+    want = _run("pytorch", t, offsets, 45, 5, **kwargs)
+    got = _run("triton", t, offsets, 45, 5, **kwargs)
+    _assert_close(got, want, 1e-4, f"TMA {activation} {flags}")
+
+
+def test_time_bias_on_epoch_timestamps_uses_exact_offsets_within_each_sequence():
+    """Epoch-second times (~1.7e9, beyond float32's 24 bits) give the reference's buckets: the kernels
+    see float32 offsets from each sequence's first event, exact below 2**24."""
+    lengths = [30, 0, 1, 17]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=13, pos=4, time=40)
+    t["timestamps"] = t["timestamps"] * 97 + 1_700_000_000
+    offsets = _offsets(lengths)
+    rel = triton_backend.relative_timestamps(t["timestamps"], offsets)
+    assert rel.dtype == torch.float32 and rel[0] == 0 and rel[30] == 0 and rel[31] == 0
+    assert torch.equal(rel[32:].double(), (t["timestamps"][32:] - t["timestamps"][31]).double())
+    kwargs = dict(activation="silu", causal=True)
+    want = _run("pytorch", t, offsets, 30, 2, **kwargs)
+    got = _run("triton", t, offsets, 30, 2, **kwargs)
+    _assert_close(got, want, 1e-4, "epoch timestamps")
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
