@@ -7,10 +7,10 @@ first, so short sequences fill the gaps that the long ones leave. Key tiles that
 touch (inside the causal triangle, inside the history, inside the sequence) run a mask-free
 loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block.
 
-Backward: one program per key block accumulates dK and dV over its query blocks. dQ either
-comes from the same tiles through float32 atomics (pointwise activations, the default) or from
-a second kernel with one program per query block (softmax, and every activation under
-``GEM_KERNELS_DETERMINISTIC=1``); see :func:`deterministic`. Softmax scores are kept in log2
+Backward: one program per key block accumulates dK and dV over its query blocks. dQ comes
+from a second kernel with one program per query block, or, for pointwise activations with bias
+tables, from the dK/dV tiles through float32 atomics (see :func:`_fuse_dq`;
+``GEM_KERNELS_DETERMINISTIC=1`` always takes the separate pass). Softmax scores are kept in log2
 units so each probability is one FMA and one ``exp2``. The mask semantics are those of
 :mod:`kernels.pytorch.jagged_attention`.
 
@@ -610,15 +610,21 @@ def _n_bucket(n: int) -> int:
 
 
 def deterministic() -> bool:
-    """``GEM_KERNELS_DETERMINISTIC=1`` computes dQ in its own pass, with no atomics, for every activation.
-
-    By default the pointwise activations fuse dQ into the dK/dV pass with float32 atomics
-    (five matrix products per tile pair instead of seven: a 1-8% faster backward on the H200
-    at N=4096, within noise at N=8192), whose summation order, so last bits, vary between runs;
-    softmax keeps the separate pass, which measured as fast or faster there. The bias-table
-    gradients use atomics in both modes.
-    """
+    """``GEM_KERNELS_DETERMINISTIC=1`` computes dQ in its own pass, with no atomics, for every variant."""
     return os.environ.get("GEM_KERNELS_DETERMINISTIC", "0") == "1"
+
+
+def _fuse_dq(act: str, has_bias: bool) -> bool:
+    """Whether dQ comes from the dK/dV pass through float32 atomics instead of its own pass.
+
+    Fusing saves two of seven matrix products per tile pair but adds a ``BLOCK_M x D`` tile of
+    atomics, whose summation order (so last bits) varies between runs. On the H200 (bf16, D=128)
+    it pays only with bias tables, where the separate pass would redo the per-score table
+    gathers: forward+backward 57 against 88 ms at N=4096. Without them the separate pass tied or
+    won in three runs (N=8192 full: 383 against 329 TFLOP/s) and needs no float32 dQ buffer.
+    Softmax always runs the separate pass. Bias-table gradients use atomics in both modes.
+    """
+    return act != "softmax" and has_bias and not deterministic()
 
 
 class _Spec:
@@ -785,7 +791,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
         spec = ctx.spec
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         batch, heads = q_offsets.numel() - 1, q.shape[1]
-        fused = spec.act != "softmax" and not deterministic()
+        fused = _fuse_dq(spec.act, pos_bias is not None or time_bias is not None)
         # Every key row belongs to a sequence, so the dK/dV (and split dQ) kernels write every row;
         # only the atomic dQ accumulator needs zeros.
         dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
