@@ -7,8 +7,9 @@ backward and forward+backward for self-attention (B=32, H=4, D=128, N in {1024, 
 full, uniform and heavy-tailed lengths; 0 and 20 targets) against the padded PyTorch path (SDPA
 for softmax, batched matmul for pointwise) and PyTorch's varlen flash attention, and the
 GEM-like cross-attention shapes. TFLOP/s count valid pairs only (``kernels.flops``).
-``triton`` rows run the default backward, ``triton-det`` rows ``GEM_KERNELS_DETERMINISTIC=1``;
-Triton rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's
+``triton`` rows run the default backward; ``triton-det`` rows, ``GEM_KERNELS_DETERMINISTIC=1``, appear
+where that differs from the default (pointwise attention with bias tables, whose dQ is fused by
+default); ``--ptr`` adds ``triton-ptr`` rows with pointer loads instead of TMA descriptors. Triton rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's
 launch cost. Checks and compiles run first in parallel worker processes. ``--bias`` gives every
 self-attention row HSTU's position and time bias tables, as the teacher runs it (no padded or
 varlen baselines then).
@@ -364,7 +365,9 @@ def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: 
                 for act in acts:
                     tri = functools.partial(tri_attention, q, k, v, offsets, n, activation=act, causal=True,
                                             num_targets=num_targets, **extra)
-                    fns = {"triton": tri, "triton-det": tri} if n_t == 0 else {"triton": tri}
+                    fns = {"triton": tri}
+                    if bias and act != "softmax" and n_t == 0:
+                        fns["triton-det"] = tri
                     if ptr:
                         fns["triton-ptr"] = tri
                     if padded and not bias:

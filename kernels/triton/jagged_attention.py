@@ -15,7 +15,7 @@ units so each probability is one FMA and one ``exp2``. The mask semantics are th
 :mod:`kernels.pytorch.jagged_attention`.
 
 On Hopper and newer the forward loads its query tile and streams its key and value tiles
-through TMA tensor descriptors, for head dims of 16-256 that are powers of two: 3-9% faster than
+through TMA tensor descriptors, for head dims of 16-256 that are powers of two: 2-15% faster than
 pointer loads on the H200 (docs/benchmarks.md); in the backward passes they measured no faster (dQ)
 or slower (dK/dV), so those keep pointer loads. A descriptor tile that runs past a sequence holds
 the next sequence's rows where pointer loads would read zeros; the boundary tiles' mask drops them.
