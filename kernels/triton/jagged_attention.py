@@ -17,8 +17,9 @@ units so each probability is one FMA and one ``exp2``. The mask semantics are th
 On Hopper and newer the forward loads its query tile and streams its key and value tiles
 through TMA tensor descriptors, for head dims of 16-256 that are powers of two: 2-15% faster than
 pointer loads on the H200 (docs/benchmarks.md); in the backward passes they measured no faster (dQ)
-or slower (dK/dV), so those keep pointer loads. A descriptor tile that runs past a sequence holds
-the next sequence's rows where pointer loads would read zeros; the boundary tiles' mask drops them.
+or slower (dK/dV), so those keep pointer loads. Key and value tiles at a sequence's boundary keep
+masked pointer loads too (see :func:`_load_kv`); the query tile's rows past the sequence belong to
+the next one, which no stored output row reads.
 ``GEM_KERNELS_TMA=0`` falls back to pointer loads; ``GEM_KERNELS_TMA=1`` turns descriptors on in
 the interpreter, where tests check them.
 
@@ -128,14 +129,16 @@ def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB
 
 @triton.jit
 def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
-             TMA: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
+             TMA: tl.constexpr, MASKED: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """One ``[BLOCK_N, D]`` key tile and value tile: through TMA descriptors, or masked pointer loads.
 
-    A descriptor tile past the sequence's end holds the next sequence's rows (zeros past the
-    tensor); the mask of the boundary tiles removes them from every score, as it removes padding.
+    Only mask-free tiles, which lie inside the sequence, use descriptors. A descriptor tile past
+    the sequence's end would hold the next sequence's rows, and although the mask drops their
+    scores, ``0 * NaN`` in ``P V`` would carry a neighbour's non-finite values over; the boundary
+    tiles' pointer loads read zeros there instead.
     """
-    if TMA:
+    if TMA and not MASKED:
         k = k_desc.load([row0 + start_n, col_k])
         v = v_desc.load([row0 + start_n, col_v])
     else:
@@ -162,7 +165,7 @@ def _fwd_tiles(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
-                        TMA, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N)
+                        TMA, MASKED, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n

@@ -186,8 +186,9 @@ def test_triton_head_dims_fp16(dims, activation):
     "flags", [dict(), dict(targets=True, window=9, pos=6, time=5)], ids=["plain", "targets-window-bias"]
 )
 def test_triton_forward_through_tma_descriptors_matches_reference(activation, flags, monkeypatch):
-    """``GEM_KERNELS_TMA=1``: key and value tiles read past a sequence's end (into the next one, and
-    past the tensor's last row, which TMA fills with zeros) must still match the reference once masked."""
+    """``GEM_KERNELS_TMA=1``: query tiles read past a sequence's end (into the next one, and past the
+    tensor's last row, which TMA fills with zeros), and key tiles switch between descriptors and
+    pointer loads at each sequence's boundary; the output must still match the reference."""
     monkeypatch.setenv("GEM_KERNELS_TMA", "1")
     lengths = [37, 0, 1, 20, 45]  # the last sequence ends at the tensor's end, mid-tile
     t = _inputs(lengths, 2, 16, 32, torch.float32, seed=11, pos=flags.get("pos", 0), time=flags.get("time", 0))
@@ -199,6 +200,32 @@ def test_triton_forward_through_tma_descriptors_matches_reference(activation, fl
     want = _run("pytorch", t, offsets, 45, 5, **kwargs)
     got = _run("triton", t, offsets, 45, 5, **kwargs)
     _assert_close(got, want, 1e-4, f"TMA {activation} {flags}")
+
+
+# The interpreter's numpy warns while it computes the poisoned sequence itself.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["pointer-loads", "tma"])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_non_finite_values_stay_in_their_own_sequence(activation, tma, monkeypatch):
+    """NaN and inf in one sequence's keys and values must not reach its neighbour, though a
+    descriptor tile at the neighbour's end reads those rows (0 * NaN is NaN in ``P V``)."""
+    monkeypatch.setenv("GEM_KERNELS_TMA", tma)
+    lengths = [37, 20, 9]  # 37 ends mid-tile; the poisoned sequence follows it
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=17)
+    q, k, v = (t[n].detach().clone() for n in ("q", "k", "v"))
+    k[37:57, 0] = float("nan")
+    v[37:57, 0] = float("nan")
+    v[37:57, 1] = float("inf")
+    offsets = _offsets(lengths)
+    kwargs = dict(activation=activation, causal=True)
+    with torch.no_grad():
+        got = triton_backend.jagged_attention(q, k, v, offsets, 37, **kwargs)
+        for b in (0, 2):
+            rows = slice(int(offsets[b]), int(offsets[b + 1]))
+            want = kernels.jagged_attention(q[rows], k[rows], v[rows], _offsets([lengths[b]]), 37,
+                                            backend="pytorch", **kwargs)
+            assert torch.isfinite(got[rows]).all(), f"sequence {b} caught its neighbour's NaN/inf"
+            assert _rel(got[rows], want) < 1e-5
 
 
 def test_time_bias_on_epoch_timestamps_uses_exact_offsets_within_each_sequence():
