@@ -9,8 +9,8 @@ for softmax, batched matmul for pointwise) and PyTorch's varlen flash attention,
 GEM-like cross-attention shapes. TFLOP/s count valid pairs only (``kernels.flops``).
 ``triton`` rows run the default backward; ``triton-det`` rows, ``GEM_KERNELS_DETERMINISTIC=1``, appear
 where that differs from the default (pointwise attention with bias tables, whose dQ is fused by
-default); ``--ptr`` adds ``triton-ptr`` rows with pointer loads instead of TMA descriptors. Triton rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's
-launch cost. Checks and compiles run first in parallel worker processes. ``--bias`` gives every
+default); ``--ptr`` adds ``triton-ptr`` rows with pointer loads instead of TMA descriptors. Triton
+rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's launch cost. Checks and compiles run first in parallel worker processes. ``--bias`` gives every
 self-attention row HSTU's position and time bias tables, as the teacher runs it (no padded or
 varlen baselines then).
 

@@ -128,6 +128,21 @@ def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB
 
 
 @triton.jit
+def _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One ``[BLOCK_N, D]`` key tile and value tile through pointers; rows past ``kv_len`` read zeros."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_n[:, None] < kv_len
+    k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :],
+                mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :],
+                mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
+    return k, v
+
+
+@triton.jit
 def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
              TMA: tl.constexpr, MASKED: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -142,14 +157,8 @@ def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, 
         k = k_desc.load([row0 + start_n, col_k])
         v = v_desc.load([row0 + start_n, col_v])
     else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_dqk = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        row_ok = offs_n[:, None] < kv_len
-        k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :],
-                    mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :],
-                    mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
+        k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                               BLOCK_N)
     return k, v
 
 
@@ -297,13 +306,10 @@ def _bwd_dq_tiles(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        row_ok = offs_n[:, None] < kv_len
-        k = tl.load(k_base + offs_n[:, None] * stride_km + offs_dqk[None, :], mask=row_ok & (offs_dqk[None, :] < DQK), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vm + offs_dv[None, :], mask=row_ok & (offs_dv[None, :] < DV), other=0.0)
+        k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                               BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
