@@ -167,6 +167,13 @@ def check_jobs(ptr: bool = False) -> list[tuple]:
         jobs.append(("self", f"{act} causal targets+window+pos+time deterministic",
                      dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64, time=32,
                           det=True)))
+        # The first call of a new tuning key autotunes, as the first training step of every new
+        # length bucket does; the trials must not disturb the gradients of that call.
+        jobs.append(("self", f"{act} causal targets+window+pos+time autotuned",
+                     dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64, time=32,
+                          autotune=True)))
+        jobs.append(("self", f"{act} causal D=128 deterministic autotuned",
+                     dict(heads=2, dqk=128, dv=128, activation=act, causal=True, det=True, autotune=True)))
         jobs.append(("self", f"{act} causal targets Dqk=96 Dv=80",
                      dict(heads=3, dqk=96, dv=80, activation=act, causal=True, targets=True)))
         jobs.append(("cross", f"cross {act} short-q long-kv", dict(q_lens=[5, 0, 192, 7], kv_lens=[900, 30, 256, 0], heads=4, activation=act)))
@@ -204,8 +211,13 @@ def run_job(job: tuple) -> dict | None:
             _, k, v = leaves(1300, kw["heads"], 128, 128, gen)
             fwd_bwd(lambda: tri_cross_attention(q, k, v, q_off, kv_off, 192, 1000, activation=kw["activation"]), [q, k, v], 0)
         return None
-    # Checks compile one config per variant: autotuning every checked variant would cost minutes.
-    os.environ["GEM_KERNELS_AUTOTUNE"] = "0"
+    # Checks compile one config per variant (autotuning every one would cost minutes), except the
+    # autotuned ones. Workers run several jobs, so every switch is set afresh.
+    if kw.pop("autotune", False):
+        os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
+    else:
+        os.environ["GEM_KERNELS_AUTOTUNE"] = "0"
+    os.environ.pop("GEM_KERNELS_TMA", None)
     if kw.pop("det", False):
         os.environ["GEM_KERNELS_DETERMINISTIC"] = "1"
     if kw.pop("ptr", False):

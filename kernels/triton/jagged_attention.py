@@ -28,6 +28,7 @@ Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -610,10 +611,12 @@ _CPU_FWD = {"BLOCK_M": 32, "BLOCK_N": 16}
 _CPU_DKDV = {"BLOCK_M": 16, "BLOCK_N": 32}
 
 
+@functools.cache
 def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+@functools.cache
 def _n_bucket(n: int) -> int:
     return max(64, triton.next_power_of_2(max(n, 1)))
 
@@ -739,16 +742,29 @@ def _autotune_enabled() -> bool:
     return os.environ.get("GEM_KERNELS_AUTOTUNE", "1") != "0"
 
 
+# The config the autotuner picked for each (kernel, dtype, tuning key). Triton's autotuner spends
+# tens of microseconds of Python per call rebuilding its key from all ~60 arguments; with the pick
+# known, the plain kernel launches directly, which matters for short (heavy-tailed) batches whose
+# kernels run for less time than their launches take.
+_PICKS: dict[tuple, triton.Config] = {}
+
+
 def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
     """Grid ``(B * H, cdiv(grid_rows, block))`` where ``block_key`` names the tile that splits rows."""
-    if on_cuda and _autotune_enabled():
-        tuned[lambda meta: (batch_heads, triton.cdiv(grid_rows, meta[block_key]))](*args, **kwargs)
-    elif on_cuda:
-        config = _configs_for(tuned.configs, kwargs)[0]
-        grid = (batch_heads, triton.cdiv(grid_rows, config.kwargs[block_key]))
-        plain[grid](*args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-    else:
+    if not on_cuda:
         plain[(batch_heads, triton.cdiv(grid_rows, cpu_blocks[block_key]))](*args, **kwargs, **cpu_blocks)
+        return
+    if _autotune_enabled():
+        pick = (plain.__name__, args[0].dtype, *(kwargs[name] for name in tuned.keys))
+        config = _PICKS.get(pick)
+        if config is None:
+            tuned[lambda meta: (batch_heads, triton.cdiv(grid_rows, meta[block_key]))](*args, **kwargs)
+            _PICKS[pick] = tuned.best_config
+            return
+    else:
+        config = _configs_for(tuned.configs, kwargs)[0]
+    grid = (batch_heads, triton.cdiv(grid_rows, config.kwargs[block_key]))
+    plain[grid](*args, **kwargs, **config.all_kwargs())
 
 
 # Every score adds its gradient to one entry of a small bias table, so a single float32 copy of
@@ -837,7 +853,11 @@ class _JaggedAttentionFn(torch.autograd.Function):
                            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
                 _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
                         {**scalars, **meta}, q.is_cuda)
-            dkdv_args = (q, k, v, dout, dk, dv, dq, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb, dpb_t, dtb_t,
+            # Unfused, the dK/dV pass neither reads nor writes dQ and the table gradients, and must not
+            # see them: its autotuner zeroes those arguments around each trial (they are accumulators
+            # when fused), which would wipe what the dQ pass has just written on every first call.
+            acc = (dq, dpb_t, dtb_t) if fused else (dummy, dummy, dummy)
+            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb, acc[1], acc[2],
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                          dq.stride(0), dq.stride(1), lse.stride(0))

@@ -256,6 +256,44 @@ def test_triton_split_dq_pass_matches_reference(activation, monkeypatch):
     _assert_close(got, want, 1e-4, f"split dQ {activation}")
 
 
+@pytest.mark.parametrize(
+    "activation, deterministic", [("silu", "0"), ("silu", "1"), ("softmax", "0")], ids=["fused", "split", "softmax"]
+)
+def test_autotuner_resets_never_touch_an_earlier_pass_output(activation, deterministic, monkeypatch):
+    """On CUDA the autotuner zeroes a kernel's ``reset_to_zero`` arguments around each trial, on
+    every first call of a new tuning key. A later backward pass must therefore never receive, under
+    those names, a tensor an earlier pass of the same backward was given: the dK/dV pass once got
+    the split dQ pass's finished dQ and table gradients there, and the first step of every new
+    length bucket returned dQ = 0 and zero table gradients. The interpreter does not autotune, so
+    this records the real launches and checks the arguments themselves."""
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", deterministic)
+    launches = []
+    real_launch = triton_backend._launch
+
+    def recording_launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
+        launches.append((tuned, dict(zip(plain.arg_names, args, strict=False))))
+        real_launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda)
+
+    monkeypatch.setattr(triton_backend, "_launch", recording_launch)
+    lengths = [37, 1, 20]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=21, pos=5, time=4)
+    offsets = _offsets(lengths)
+    got = _run("triton", t, offsets, 37, 6, activation=activation, causal=True)
+    assert len(launches) == (2 if deterministic == "0" and activation != "softmax" else 3)
+    placeholder = triton_backend._dummy(t["q"].device)
+    for i, (tuned, bound) in enumerate(launches):
+        for name in tuned.reset_to_zero:
+            reset = bound[name]
+            if reset is placeholder:
+                continue
+            for _, earlier in launches[:i]:
+                assert all(
+                    not isinstance(x, torch.Tensor) or x.data_ptr() != reset.data_ptr() for x in earlier.values()
+                ), f"launch {i} would reset {name}, a tensor an earlier pass was given"
+    want = _run("pytorch", t, offsets, 37, 6, activation=activation, causal=True)
+    _assert_close(got, want, 1e-4, f"{activation} deterministic={deterministic}")
+
+
 def test_triton_backward_is_deterministic(monkeypatch):
     monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1")
     lengths = [30, 7]
