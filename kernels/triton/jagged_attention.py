@@ -45,7 +45,7 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
 # Arguments that change with the batch's contents: specializing on their divisibility would
 # recompile the kernels for batches of the same shape.
-_NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "L", "L_Q", "L_KV"]
+_NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV"]
 
 
 @triton.jit
@@ -214,6 +214,26 @@ def _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS: tl.constexpr):
 
 
 @triton.jit
+def _program(ORDER, ROWS, H, BLOCK: tl.constexpr, DESCENDING: tl.constexpr):
+    """This program's (sequence, head, row block) on the 1-D grid ``B * H * cdiv(ROWS, BLOCK)``.
+
+    A (sequence, head)'s row blocks are consecutive programs, so the blocks that run together
+    share that sequence's keys and values (or queries) in L2: 1.1–1.2x faster at N=4096-8192
+    than with the blocks of every head and sequence interleaved. Sequences come in ``ORDER``,
+    most pairs first, and a sequence's blocks ``DESCENDING`` (causal query blocks: the last one
+    sees the most keys) or ascending (causal key blocks: the first one is seen by most queries),
+    so the longest work starts first and the short work fills the tail.
+    """
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(ROWS, BLOCK)
+    rank = pid // blocks
+    block = pid % blocks
+    if DESCENDING:
+        block = blocks - 1 - block
+    return pid, tl.load(ORDER + rank // H), rank % H, block
+
+
+@triton.jit
 def _key_ranges(m_start, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key-tile ranges of a query block: [lo, full_hi) needs no mask, [full_hi, hi) does."""
@@ -229,19 +249,16 @@ def _key_ranges(m_start, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_WINDO
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
-    Q, K, V, Out, LSE, Q_OFF, KV_OFF, NT, TS, PB, TB,
+    Q, K, V, Out, LSE, Q_OFF, KV_OFF, ORDER, NT, TS, PB, TB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
-    stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET,
+    stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
     L_Q, L_KV,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    _, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     m_start = pid_m * BLOCK_M
     if m_start >= q_len:
@@ -339,19 +356,16 @@ def _bwd_dq_tiles(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, NT, TS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
-    AVG_BUCKET, REPS, stride_dpb_rep, stride_dtb_rep,
+    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     m_start = pid_m * BLOCK_M
     if m_start >= q_len:
@@ -377,8 +391,8 @@ def _bwd_dq_kernel(
     qk_scale = alpha * _LOG2E if ACT == 0 else alpha
     # The pointwise 1/N is applied once per output instead of once per score.
     ds_scale = 1.0 if ACT == 0 else inv_n
-    dpb_ptr = DPB + (pid_bh % REPS) * stride_dpb_rep + h * stride_pbh
-    dtb_ptr = DTB + (pid_bh % REPS) * stride_dtb_rep + h * stride_tbh
+    dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
+    dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_tiles(
@@ -462,19 +476,16 @@ def _bwd_dkdv_tiles(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV_, DQ_ACC, LSE, DELTA, Q_OFF, KV_OFF, NT, TS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DK, DV_, DQ_ACC, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh,
-    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, REPS, stride_dpb_rep, stride_dtb_rep,
+    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, FUSED_DQ: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     n_start = pid_n * BLOCK_N
     if n_start >= kv_len:
@@ -511,8 +522,8 @@ def _bwd_dkdv_kernel(
     dq_base = DQ_ACC + q_start * stride_dqm + h * stride_dqh
     pb_ptr = PB + h * stride_pbh
     tb_ptr = TB + h * stride_tbh
-    dpb_ptr = DPB + (pid_bh % REPS) * stride_dpb_rep + h * stride_pbh
-    dtb_ptr = DTB + (pid_bh % REPS) * stride_dtb_rep + h * stride_tbh
+    dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
+    dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
         offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
@@ -652,6 +663,7 @@ class _Spec:
         self.timestamps = timestamps
         self.max_q_len = max_q_len
         self.max_kv_len = max_kv_len
+        self.order = None  # [B] int32, set by the forward (:func:`_longest_first`)
 
 
 _DUMMIES: dict[torch.device, torch.Tensor] = {}
@@ -750,28 +762,36 @@ _PICKS: dict[tuple, triton.Config] = {}
 
 
 def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
-    """Grid ``(B * H, cdiv(grid_rows, block))`` where ``block_key`` names the tile that splits rows."""
+    """A 1-D grid of ``B * H * cdiv(grid_rows, block)`` programs (:func:`_program`), where
+    ``block_key`` names the tile that splits the rows."""
+    kwargs = {**kwargs, "ROWS": grid_rows}
     if not on_cuda:
-        plain[(batch_heads, triton.cdiv(grid_rows, cpu_blocks[block_key]))](*args, **kwargs, **cpu_blocks)
+        plain[(batch_heads * triton.cdiv(grid_rows, cpu_blocks[block_key]),)](*args, **kwargs, **cpu_blocks)
         return
     if _autotune_enabled():
         pick = (plain.__name__, args[0].dtype, *(kwargs[name] for name in tuned.keys))
         config = _PICKS.get(pick)
         if config is None:
-            tuned[lambda meta: (batch_heads, triton.cdiv(grid_rows, meta[block_key]))](*args, **kwargs)
+            tuned[lambda meta: (batch_heads * triton.cdiv(grid_rows, meta[block_key]),)](*args, **kwargs)
             _PICKS[pick] = tuned.best_config
             return
     else:
         config = _configs_for(tuned.configs, kwargs)[0]
-    grid = (batch_heads, triton.cdiv(grid_rows, config.kwargs[block_key]))
-    plain[grid](*args, **kwargs, **config.all_kwargs())
+    plain[(batch_heads * triton.cdiv(grid_rows, config.kwargs[block_key]),)](*args, **kwargs, **config.all_kwargs())
+
+
+def _longest_first(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int32 sequence indices, most (query, key) pairs first: the grid's order."""
+    pairs = (q_offsets[1:] - q_offsets[:-1]) * (kv_offsets[1:] - kv_offsets[:-1])
+    return torch.argsort(pairs, descending=True, stable=True).to(torch.int32)
 
 
 # Every score adds its gradient to one entry of a small bias table, so a single float32 copy of
 # the table is one hot spot for every program of the grid: the atomics serialise (52 ms for the
 # dK/dV pass of a d=32, 80k-token batch, against 0.5 ms for its forward, on the H200). Programs
-# instead add into one of ``REPS`` copies, chosen by their (sequence, head) index, which spreads
-# concurrent programs over different addresses; the copies are summed once at the end.
+# instead add into one of ``REPS`` copies, chosen by their program index: programs that run
+# together have consecutive indices, so they hit different addresses; the copies are summed once
+# at the end.
 _MAX_BIAS_GRAD_REPLICAS = 128
 _MAX_BIAS_GRAD_BYTES = 64 << 20
 
@@ -799,8 +819,9 @@ class _JaggedAttentionFn(torch.autograd.Function):
         out = torch.empty(q.shape[0], heads, v.shape[2], device=q.device, dtype=v.dtype)
         lse = torch.empty(heads, q.shape[0], device=q.device, dtype=torch.float32)
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
+        spec.order = _longest_first(q_offsets, kv_offsets)
         if batch * heads > 0 and spec.max_q_len > 0:
-            args = (q, k, v, out, lse, q_offsets, kv_offsets, nt, ts, pb, tb,
+            args = (q, k, v, out, lse, q_offsets, kv_offsets, spec.order, nt, ts, pb, tb,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
             tma = _use_tma(q, k, v)
@@ -848,7 +869,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
             dv.zero_()
         else:
             if not fused:
-                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb, dpb_t, dtb_t,
+                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, spec.order, nt, ts, pb, tb, dpb_t, dtb_t,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
                 _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
@@ -857,7 +878,8 @@ class _JaggedAttentionFn(torch.autograd.Function):
             # see them: its autotuner zeroes those arguments around each trial (they are accumulators
             # when fused), which would wipe what the dQ pass has just written on every first call.
             acc = (dq, dpb_t, dtb_t) if fused else (dummy, dummy, dummy)
-            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, nt, ts, pb, tb, acc[1], acc[2],
+            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, spec.order, nt, ts, pb, tb,
+                         acc[1], acc[2],
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                          dq.stride(0), dq.stride(1), lse.stride(0))

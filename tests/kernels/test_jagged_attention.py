@@ -294,6 +294,15 @@ def test_autotuner_resets_never_touch_an_earlier_pass_output(activation, determi
     _assert_close(got, want, 1e-4, f"{activation} deterministic={deterministic}")
 
 
+def test_grid_runs_the_sequences_with_most_pairs_first():
+    """The kernels' grid walks sequences in this order (ties keep batch order), so the longest work
+    starts first; cross-attention counts query x key pairs."""
+    self_offsets = _offsets([3, 0, 7, 7, 1])
+    assert triton_backend._longest_first(self_offsets, self_offsets).tolist() == [2, 3, 0, 4, 1]
+    q_offsets, kv_offsets = _offsets([1, 4, 2]), _offsets([10, 2, 5])
+    assert triton_backend._longest_first(q_offsets, kv_offsets).tolist() == [0, 2, 1]
+
+
 def test_triton_backward_is_deterministic(monkeypatch):
     monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1")
     lengths = [30, 7]
