@@ -10,9 +10,10 @@ GEM-like cross-attention shapes. TFLOP/s count valid pairs only (``kernels.flops
 ``triton`` rows run the default backward; ``triton-det`` rows, ``GEM_KERNELS_DETERMINISTIC=1``, appear
 where that differs from the default (pointwise attention with bias tables, whose dQ is fused by
 default); ``--ptr`` adds ``triton-ptr`` rows with pointer loads instead of TMA descriptors. Triton
-rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's launch cost. Checks and compiles run first in parallel worker processes. ``--bias`` gives every
-self-attention row HSTU's position and time bias tables, as the teacher runs it (no padded or
-varlen baselines then).
+rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's launch cost.
+Checks and compiles run first in parallel worker processes. ``--bias`` gives every self-attention
+row HSTU's position and time bias tables, as the teacher runs it (no padded or varlen baselines
+then).
 
     PYTHONUNBUFFERED=1 python experiments/bench_jagged_attention.py --json bench.json
 """

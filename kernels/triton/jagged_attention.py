@@ -1,9 +1,10 @@
 """Triton kernels for jagged self- and cross-attention (softmax and pointwise GDPA), fwd and bwd.
 
-One program owns one (sequence, head, row block). The grid is ``(B * H, row blocks of the
-longest sequence)`` with the row-block axis walked from the last block down: programs past the
-end of their sequence return at once, and the longest (causal: the costliest) blocks start
-first, so short sequences fill the gaps that the long ones leave. Key tiles that no mask can
+One program owns one (sequence, head, row block). The grid is one-dimensional: a (sequence,
+head)'s row blocks are consecutive programs, so they share that sequence's tiles in L2, and the
+sequences come most pairs first (:func:`_program`). Programs past the end of their sequence
+return at once, and the costliest causal blocks of each sequence start first, so short sequences
+fill the gaps that the long ones leave. Key tiles that no mask can
 touch (inside the causal triangle, inside the history, inside the sequence) run a mask-free
 loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block.
 
@@ -663,7 +664,6 @@ class _Spec:
         self.timestamps = timestamps
         self.max_q_len = max_q_len
         self.max_kv_len = max_kv_len
-        self.order = None  # [B] int32, set by the forward (:func:`_longest_first`)
 
 
 _DUMMIES: dict[torch.device, torch.Tensor] = {}
@@ -819,21 +819,21 @@ class _JaggedAttentionFn(torch.autograd.Function):
         out = torch.empty(q.shape[0], heads, v.shape[2], device=q.device, dtype=v.dtype)
         lse = torch.empty(heads, q.shape[0], device=q.device, dtype=torch.float32)
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
-        spec.order = _longest_first(q_offsets, kv_offsets)
+        order = _longest_first(q_offsets, kv_offsets)
         if batch * heads > 0 and spec.max_q_len > 0:
-            args = (q, k, v, out, lse, q_offsets, kv_offsets, spec.order, nt, ts, pb, tb,
+            args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, ts, pb, tb,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
             tma = _use_tma(q, k, v)
             _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, args,
                     {**scalars, **meta, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda)
-        ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, pos_bias, time_bias)
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, q_offsets, kv_offsets, pos_bias, time_bias = ctx.saved_tensors
+        q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias = ctx.saved_tensors
         spec = ctx.spec
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         batch, heads = q_offsets.numel() - 1, q.shape[1]
@@ -869,7 +869,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
             dv.zero_()
         else:
             if not fused:
-                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, spec.order, nt, ts, pb, tb, dpb_t, dtb_t,
+                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, ts, pb, tb, dpb_t, dtb_t,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
                 _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
@@ -878,7 +878,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
             # see them: its autotuner zeroes those arguments around each trial (they are accumulators
             # when fused), which would wipe what the dQ pass has just written on every first call.
             acc = (dq, dpb_t, dtb_t) if fused else (dummy, dummy, dummy)
-            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, spec.order, nt, ts, pb, tb,
+            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, order, nt, ts, pb, tb,
                          acc[1], acc[2],
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
