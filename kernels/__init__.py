@@ -6,21 +6,22 @@ force one (the Triton one also runs on CPU tensors under ``TRITON_INTERPRET=1``,
 the tests check it without a GPU). Every backend takes the same arguments and returns the same
 function of them, with gradients for ``q``, ``k``, ``v``, ``pos_bias`` and ``time_bias``.
 
-The environment variable ``GEM_ATTENTION_BACKEND`` (``pytorch`` or ``triton``), when set and not
-``auto``, replaces ``backend="auto"`` at every call (an explicit backend is never overridden):
-it runs a whole model on one backend without touching model code, e.g. to benchmark the
-reference against the kernels (``experiments/bench_teacher.py --backend pytorch``).
+The kernel switch ``backend`` (:mod:`kernels.settings`: ``model.kernels.backend`` in a run's config, or
+the environment variable ``GEM_ATTENTION_BACKEND``), when ``pytorch`` or ``triton``, replaces
+``backend="auto"`` at every call (an explicit backend is never overridden): it runs a whole model on one
+backend without touching model code, e.g. to benchmark the reference against the kernels
+(``experiments/bench_teacher.py --backend pytorch``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
 import torch
 
+from kernels import settings
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 
 __all__ = ["ACTIVATIONS", "jagged_attention", "jagged_cross_attention", "route_jagged_attention"]
@@ -90,9 +91,7 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        forced = os.environ.get("GEM_ATTENTION_BACKEND", "auto")
-        if forced not in _BACKENDS:
-            raise ValueError(f"GEM_ATTENTION_BACKEND must be one of {_BACKENDS}, got {forced!r}")
+        forced = settings.backend()
         if forced != "auto":
             return forced
         return "triton" if q.is_cuda else "pytorch"

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import settings
 from kernels.pytorch.jagged_attention import TIME_BUCKET_DIVISOR
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
@@ -635,7 +635,7 @@ def _n_bucket(n: int) -> int:
 
 def deterministic() -> bool:
     """``GEM_KERNELS_DETERMINISTIC=1`` computes dQ in its own pass, with no atomics, for every variant."""
-    return os.environ.get("GEM_KERNELS_DETERMINISTIC", "0") == "1"
+    return settings.deterministic()
 
 
 def _fuse_dq(act: str, has_bias: bool) -> bool:
@@ -689,7 +689,7 @@ def _common_args(q, k, v, pb, tb, spec):
         HAS_WINDOW=spec.window is not None,
         HAS_PB=pb is not None,
         HAS_TB=tb is not None,
-        FAST=q.is_cuda,
+        FAST=settings.fast_sigmoid() and q.is_cuda,
         DQK=q.shape[2],
         DV=v.shape[2],
         BLOCK_DQK=_block_d(q.shape[2]),
@@ -730,7 +730,8 @@ def _use_tma(*tensors: torch.Tensor) -> bool:
     """Whether the kernels load tiles through TMA descriptors: Hopper or newer (or the interpreter
     with ``GEM_KERNELS_TMA=1``), inputs that :func:`_tma_ok` accepts, and not ``GEM_KERNELS_TMA=0``."""
     q = tensors[0]
-    if os.environ.get("GEM_KERNELS_TMA", "1" if q.is_cuda else "0") != "1":
+    enabled = settings.tma()
+    if not (q.is_cuda if enabled is None else enabled):
         return False
     if not all(_tma_ok(x) for x in tensors):
         return False
@@ -751,7 +752,7 @@ def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 def _autotune_enabled() -> bool:
     """``GEM_KERNELS_AUTOTUNE=0`` runs each kernel's first config untuned (quick compiles for checks)."""
-    return os.environ.get("GEM_KERNELS_AUTOTUNE", "1") != "0"
+    return settings.autotune()
 
 
 # The config the autotuner picked for each (kernel, dtype, tuning key). Triton's autotuner spends

@@ -1,0 +1,117 @@
+"""Process-wide kernel switches: a config dataclass, applied once, with environment overrides.
+
+A run sets them through its config (``model.kernels.*``), applied when the model is built
+(:func:`apply_kernel_settings`); the kernels read the effective value of each switch at every call.
+An environment variable, when set, overrides its field for the whole process (e.g. to benchmark one
+backend against another without touching a config); :func:`effective_kernel_settings` and
+:func:`kernel_environment` report both, so every run can log what its kernels really did.
+
+==================  ============================  =====================================================
+field               environment variable          meaning
+==================  ============================  =====================================================
+``backend``         ``GEM_ATTENTION_BACKEND``     what ``backend="auto"`` calls run: ``auto`` (Triton on
+                                                  CUDA, the reference elsewhere), ``pytorch``, ``triton``
+``deterministic``   ``GEM_KERNELS_DETERMINISTIC`` dQ in its own pass, no float32 atomics (``0``/``1``)
+``tma``             ``GEM_KERNELS_TMA``           TMA descriptor loads; None: on CUDA (Hopper+), off in
+                                                  the interpreter (``0``/``1``)
+``autotune``        ``GEM_KERNELS_AUTOTUNE``      autotune Triton configs; off: each kernel's first
+                                                  config (quick compiles for checks) (``0``/``1``)
+``fast_sigmoid``    ``GEM_KERNELS_FAST_SIGMOID``  the approximate ``tanh.approx`` sigmoid on CUDA
+                                                  (``0``/``1``)
+==================  ============================  =====================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "pytorch", "triton")
+ENVIRONMENT = {
+    "backend": "GEM_ATTENTION_BACKEND",
+    "deterministic": "GEM_KERNELS_DETERMINISTIC",
+    "tma": "GEM_KERNELS_TMA",
+    "autotune": "GEM_KERNELS_AUTOTUNE",
+    "fast_sigmoid": "GEM_KERNELS_FAST_SIGMOID",
+}
+_FLAGS = {"0": False, "1": True}
+
+
+@dataclass
+class KernelSettings:
+    """The kernel switches of a run (module doc)."""
+
+    backend: str = "auto"
+    deterministic: bool = False
+    tma: bool | None = None
+    autotune: bool = True
+    fast_sigmoid: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kernels.backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+_applied = KernelSettings()
+
+
+def apply_kernel_settings(settings: KernelSettings) -> None:
+    """Make ``settings`` the process's kernel switches (environment variables still override them)."""
+    global _applied
+    _applied = dataclasses.replace(settings)
+
+
+def _override(field: str) -> str | None:
+    return os.environ.get(ENVIRONMENT[field])
+
+
+def _flag(field: str, configured: bool | None) -> bool | None:
+    raw = _override(field)
+    if raw is None:
+        return configured
+    if raw not in _FLAGS:
+        raise ValueError(f"{ENVIRONMENT[field]} must be 0 or 1, got {raw!r}")
+    return _FLAGS[raw]
+
+
+def backend() -> str:
+    """The effective ``backend`` switch."""
+    raw = _override("backend")
+    if raw is None:
+        return _applied.backend
+    if raw not in BACKENDS:
+        raise ValueError(f"GEM_ATTENTION_BACKEND must be one of {BACKENDS}, got {raw!r}")
+    return raw
+
+
+def deterministic() -> bool:
+    """The effective ``deterministic`` switch."""
+    return _flag("deterministic", _applied.deterministic)
+
+
+def tma() -> bool | None:
+    """The effective ``tma`` switch (None: by device)."""
+    return _flag("tma", _applied.tma)
+
+
+def autotune() -> bool:
+    """The effective ``autotune`` switch."""
+    return _flag("autotune", _applied.autotune)
+
+
+def fast_sigmoid() -> bool:
+    """The effective ``fast_sigmoid`` switch."""
+    return _flag("fast_sigmoid", _applied.fast_sigmoid)
+
+
+def effective_kernel_settings() -> KernelSettings:
+    """The switches the kernels use now: the applied settings with the environment's overrides."""
+    return KernelSettings(
+        backend=backend(), deterministic=deterministic(), tma=tma(), autotune=autotune(), fast_sigmoid=fast_sigmoid()
+    )
+
+
+def kernel_environment() -> dict[str, str]:
+    """The override variables set in this process, by name (empty when none is)."""
+    return {name: os.environ[name] for name in ENVIRONMENT.values() if name in os.environ}
