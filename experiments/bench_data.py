@@ -19,7 +19,8 @@ import torch
 
 from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
-from foundation.data.synthetic import generate_world, synth_preset
+from foundation.data.synthetic import generate_world
+from gem.flavors import synth_preset
 
 
 def time_pipeline(path: str, cfg: DataConfig) -> dict[str, float]:

@@ -29,8 +29,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from foundation.data.io import atomic_write_text, list_shards, shard_path, write_table
-from transfer.export import export_embeddings, open_store
+from gem.module import load_trained
+from transfer.export import export_embeddings
 from transfer.index import build_index, measure_qps, recall_at_k
+from transfer.store import open_store
 
 # factory -> search params tried on one build of it
 INDEXES = {
@@ -85,11 +87,11 @@ def bench_export(ckpt: Path, dataset: Path, work: Path, fraction: float) -> list
     shutil.rmtree(store, ignore_errors=True)
     rows = []
     t0, c0 = time.perf_counter(), time.process_time()
-    full = export_embeddings(ckpt, dataset, store, device="cpu")
+    full = export_embeddings(load_trained(ckpt), dataset, store, device="cpu")
     rows.append(_row(dataset, "full", full, time.perf_counter() - t0, time.process_time() - c0))
     changed, _ = with_changed_users(dataset, work / "changed", fraction)
     t0, c0 = time.perf_counter(), time.process_time()
-    inc = export_embeddings(ckpt, changed, store, since=full["version"], device="cpu")
+    inc = export_embeddings(load_trained(ckpt), changed, store, since=full["version"], device="cpu")
     rows.append(
         _row(
             dataset,

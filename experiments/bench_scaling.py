@@ -44,11 +44,11 @@ from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import EventSchema
 from foundation.model.flops import peak_flops
-from foundation.model.teacher import build_teacher, teacher_flavor
-from foundation.model.teacher_config import TEACHER_FLAVORS
+from foundation.model.teacher import build_teacher
 from foundation.parallel import ParallelConfig, ParallelDims, build_dense_optimizer, parallelize_teacher
 from foundation.parallel.balance import BalanceConfig, rank_share, take_rows
 from foundation.parallel.embeddings import EmbeddingShardingConfig
+from gem.flavors import TEACHER_FLAVORS, teacher_flavor
 
 COMM_KERNEL_MARKERS = ("nccl", "gloo", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter", "alltoall")
 

@@ -15,10 +15,10 @@ import time
 
 import pyarrow.parquet as pq
 
-from experiments.flavors import get_flavor
 from foundation.config import apply_overrides
 from foundation.data.io import list_shards
-from foundation.train import train
+from gem.flavors import get_flavor
+from gem.train import train
 
 
 def split_rows(dataset: str, split: str) -> int:

@@ -64,10 +64,10 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  # noqa: E402
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
-from foundation.data.synthetic import generate_world, synth_preset  # noqa: E402
+from foundation.data.synthetic import generate_world  # noqa: E402
 from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
-from foundation.model.teacher import build_teacher, teacher_flavor  # noqa: E402
-from foundation.model.teacher_config import TEACHER_FLAVORS  # noqa: E402
+from foundation.model.teacher import build_teacher  # noqa: E402
+from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
 
 PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
 

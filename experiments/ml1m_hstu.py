@@ -20,7 +20,7 @@ epochs; the flavor supplies sampled softmax with 128 uniform negatives at temper
 L2-normalised embeddings. Leave-one-out evaluation ranks every item, with the user's (cut)
 history removed from the candidates.
 
-The loop is plain PyTorch (:mod:`experiments.loop`) so that it runs on a GPU machine without MLflow;
+The loop is plain PyTorch (:mod:`gem.loop`) so that it runs on a GPU machine without MLflow;
 ``gem train --flavor ml1m_hstu`` trains the same model through the Lightning harness and ranks with
 the same metrics.
 Results go to ``<out>/results.json`` (rewritten after every evaluation, so an interrupted run
@@ -37,14 +37,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from experiments.loop import train_epoch
 from foundation.config import apply_overrides
 from foundation.data.converters import convert
 from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, valid_item_mask
 from foundation.data.schema import SCHEMA_FILE, EventSchema
 from foundation.metrics import RankingMetrics
-from foundation.model.teacher import GEMTeacher, build_teacher, teacher_flavor
+from foundation.model.teacher import GEMTeacher, build_teacher
+from gem.flavors import teacher_flavor
+from gem.loop import train_epoch
 
 TARGETS = {
     "ml1m_hstu": {"hr@10": 0.3097, "ndcg@10": 0.1720},

@@ -37,14 +37,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from experiments.flavors import get_flavor
-from experiments.loop import train_epoch
 from foundation.config import apply_overrides
 from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import PredictionLog
-from foundation.model.registry import build_model
+from gem.flavors import get_flavor
+from gem.loop import train_epoch
+from gem.registry import build_model
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlflow
 import pytest
 
-from experiments.quickstart import run_quickstart
+from gem.quickstart import run_quickstart
 
 
 @pytest.fixture

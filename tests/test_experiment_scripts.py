@@ -9,8 +9,9 @@ import torch
 
 from experiments import bench_teacher
 from experiments.teacher_vs_baseline import main, recalibrate
-from foundation.data.synthetic import generate_world, synth_preset
+from foundation.data.synthetic import generate_world
 from foundation.metrics import PredictionLog
+from gem.flavors import synth_preset
 from tests.events import write_dataset
 
 

@@ -19,20 +19,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from foundation.config import DLRMConfig, ExperimentConfig, ModelConfig, TrainConfig
 from foundation.data.io import list_shards, shard_path, write_table
 from foundation.data.pipeline import DataConfig, build_batch, table_to_block
 from foundation.data.schema import EventSchema
-from foundation.train import load_module, train
+from foundation.model.baseline import DLRMConfig
+from gem.config import ExperimentConfig, ModelConfig, TrainConfig
+from gem.module import load_module, load_trained
+from gem.train import train
 from tests.events import make_events, write_dataset
-from transfer.export import (
-    LATEST_FILE,
-    StoreError,
-    export_embeddings,
-    latest_version,
-    list_versions,
-    open_store,
-)
+from transfer.export import export_embeddings
+from transfer.store import LATEST_FILE, StoreError, latest_version, list_versions, open_store
 
 REPO = Path(__file__).resolve().parents[1]
 SPLITS = ("train", "valid")
@@ -79,7 +75,7 @@ def direct_user_vectors(ckpt: Path, dataset: Path) -> tuple[np.ndarray, np.ndarr
 
 def test_full_export_lookups_equal_direct_model_outputs(teacher, tmp_path):
     dataset, ckpt, uri = teacher
-    report = export_embeddings(ckpt, dataset, tmp_path / "store", splits=SPLITS, tracking_uri=uri, device="cpu")
+    report = export_embeddings(load_trained(ckpt), dataset, tmp_path / "store", splits=SPLITS, tracking_uri=uri, device="cpu")
     store = open_store(tmp_path / "store")
     assert store.version == report["version"] == 1 and report["users_copied"] == 0
 
@@ -106,9 +102,9 @@ def test_incremental_refresh_equals_full_and_recomputes_only_changed_users(teach
     dataset, ckpt, _ = teacher
     grown = extended_dataset(dataset, tmp_path / "grown")
     store = tmp_path / "store"
-    export_embeddings(ckpt, dataset, store, splits=SPLITS, device="cpu")
-    inc = export_embeddings(ckpt, grown, store, splits=SPLITS, since=1, device="cpu")
-    full = export_embeddings(ckpt, grown, store, splits=SPLITS, device="cpu")
+    export_embeddings(load_trained(ckpt), dataset, store, splits=SPLITS, device="cpu")
+    inc = export_embeddings(load_trained(ckpt), grown, store, splits=SPLITS, since=1, device="cpu")
+    full = export_embeddings(load_trained(ckpt), grown, store, splits=SPLITS, device="cpu")
     assert inc["mode"] == "incremental" and inc["parent"] == 1
     assert inc["users_recomputed"] == len(CHANGED_USERS) and inc["users_copied"] == inc["users"] - len(CHANGED_USERS)
 
@@ -123,20 +119,20 @@ def test_incremental_refresh_equals_full_and_recomputes_only_changed_users(teach
     assert (a.arrays["user_updated_version"][fresh] == 2).all() and (a.arrays["user_updated_version"][~fresh] == 1).all()
     assert (a.arrays["user_timestamps"][fresh] == 5_000).all()
 
-    unchanged = export_embeddings(ckpt, grown, store, splits=SPLITS, since=full["version"], device="cpu")
+    unchanged = export_embeddings(load_trained(ckpt), grown, store, splits=SPLITS, since=full["version"], device="cpu")
     assert unchanged["users_recomputed"] == 0 and unchanged["items_recomputed"] == 0
 
 
 def test_reader_keeps_its_version_while_newer_ones_publish_and_retention(teacher, tmp_path):
     dataset, ckpt, _ = teacher
     store = tmp_path / "store"
-    export_embeddings(ckpt, dataset, store, splits=SPLITS, device="cpu", build_retrieval_index=False)
+    export_embeddings(load_trained(ckpt), dataset, store, splits=SPLITS, device="cpu", build_retrieval_index=False)
     reader = open_store(store)
     before = reader.lookup_users(reader.arrays["user_ids"])[0].copy()
 
     grown = extended_dataset(dataset, tmp_path / "grown")
     for _ in range(3):
-        export_embeddings(ckpt, grown, store, splits=SPLITS, retention=2, device="cpu", build_retrieval_index=False)
+        export_embeddings(load_trained(ckpt), grown, store, splits=SPLITS, retention=2, device="cpu", build_retrieval_index=False)
     assert list_versions(store) == [3, 4] and latest_version(store) == 4
     # Version 1 is gone from the directory, yet its reader still sees all of it, unchanged.
     np.testing.assert_array_equal(reader.lookup_users(reader.arrays["user_ids"])[0], before)
@@ -148,7 +144,7 @@ def test_reader_keeps_its_version_while_newer_ones_publish_and_retention(teacher
 def test_corrupted_or_truncated_file_is_refused_by_name(teacher, tmp_path):
     dataset, ckpt, _ = teacher
     store = tmp_path / "store"
-    export_embeddings(ckpt, dataset, store, splits=SPLITS, device="cpu")
+    export_embeddings(load_trained(ckpt), dataset, store, splits=SPLITS, device="cpu")
     users = store / "v000001" / "users.npy"
     data = bytearray(users.read_bytes())
     data[-3] ^= 0xFF
@@ -164,10 +160,12 @@ def test_corrupted_or_truncated_file_is_refused_by_name(teacher, tmp_path):
 KILL_SCRIPT = textwrap.dedent(
     """
     import sys
+    from gem.module import load_trained
     from transfer.export import export_embeddings
     ckpt, dataset, store = sys.argv[1:4]
+    teacher = load_trained(ckpt)
     while True:
-        export_embeddings(ckpt, dataset, store, splits=("train", "valid"), retention=2, device="cpu")
+        export_embeddings(teacher, dataset, store, splits=("train", "valid"), retention=2, device="cpu")
         print("published", flush=True)
     """
 )
@@ -204,6 +202,6 @@ def test_sigkill_mid_export_never_leaves_a_visible_partial_version(teacher, tmp_
         assert (store / LATEST_FILE).read_text().strip() == f"v{latest_version(store):06d}"
     assert mid_write >= 2, "the kills did not land while a version was being written"
     # The next export cleans up whatever hidden temp dir the last kill left.
-    export_embeddings(ckpt, dataset, store, splits=SPLITS, device="cpu", build_retrieval_index=False)
+    export_embeddings(load_trained(ckpt), dataset, store, splits=SPLITS, device="cpu", build_retrieval_index=False)
     assert not [p for p in store.iterdir() if p.name.startswith((".tmp-", ".trash-", ".LATEST."))]
     assert json.loads((store / f"v{latest_version(store):06d}" / "manifest.json").read_text())["mode"] == "full"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.flavors import get_flavor
 from foundation.config import apply_overrides
 from foundation.data.converters import convert
-from foundation.train import evaluate, train
+from gem.evaluate import evaluate
+from gem.flavors import get_flavor
+from gem.train import train
 
 
 @pytest.fixture(scope="module")

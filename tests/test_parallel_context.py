@@ -18,7 +18,7 @@ from foundation.parallel.context import (
     zigzag_shard,
 )
 from kernels import jagged_attention
-from tests.test_teacher_support import CTR_SCHEMA, tiny_config
+from tests.teacher_batches import CTR_SCHEMA, tiny_config
 
 
 def offsets_of(lengths: list[int]) -> torch.Tensor:

@@ -32,7 +32,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from foundation.config import ConfigError, ExperimentConfig, ParallelSettings, apply_overrides
+from foundation.config import ConfigError, apply_overrides
+from foundation.parallel.settings import ParallelSettings
+from gem.config import ExperimentConfig
 from tests.events import write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,8 +101,8 @@ class ExampleTrace(Callback):
 
 def main() -> None:
     """``gem train`` with :class:`ExampleTrace` added (``TRACE_DIR``, ``KILL_AT``, ``KILL_RANK`` from the environment)."""
-    import foundation.train as train_module
-    from foundation.cli import main as gem_main
+    import gem.train as train_module
+    from gem.cli import main as gem_main
 
     build_trainer = train_module.build_trainer
 
@@ -244,8 +246,8 @@ def test_only_rank0_logs_system_metrics_with_a_node_id_and_the_imbalance(runs):
 def test_ranks_reading_their_own_row_groups_resume_each_stream_where_it_stopped(runs):
     """``parallel.balance=false``: rank r trains on the pipeline's stream r of 2, batch after batch, across
     a SIGKILL and torchrun's restart (the data positions of both ranks are in the checkpoint)."""
-    from foundation.cli import load_flavor
     from foundation.data.pipeline import EventStream
+    from gem.cli import load_flavor
 
     cfg = load_flavor("teacher-debug", [*train_args(runs["dataset"], runs["own"])[3:], *OWN_STREAMS])
     for rank in range(2):

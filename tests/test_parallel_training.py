@@ -23,8 +23,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from foundation.config import DLRMConfig
-from foundation.model.baseline import DLRMBaseline
+from foundation.model.baseline import DLRMBaseline, DLRMConfig
 from foundation.model.teacher import build_teacher
 from foundation.parallel import (
     EmbeddingShardingConfig,
@@ -40,7 +39,7 @@ from foundation.parallel.context import unwrapped
 from foundation.parallel.embeddings import SHARDING_TYPES, apply_sparse_optimizer, summarize_plan
 from foundation.parallel.state import export_single_file, gather_full_state_dict
 from foundation.parallel.tensor import find_linear_pairs
-from tests.test_teacher_support import CTR_SCHEMA, make_batch, select_rows, tiny_config
+from tests.teacher_batches import CTR_SCHEMA, make_batch, select_rows, tiny_config
 
 STEPS = 20
 SAVE_AT = 3

@@ -9,7 +9,7 @@ from foundation.parallel.activation import apply_activation_checkpointing
 from foundation.parallel.compile import apply_compile
 from foundation.parallel.fsdp import find_unit_paths
 from foundation.parallel.tensor import find_linear_pairs
-from tests.test_teacher_support import CTR_SCHEMA, make_batch, tiny_config
+from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
 
 
 def build():

@@ -18,15 +18,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from foundation.cli import main
-from foundation.config import DLRMConfig, ExperimentConfig, ModelConfig, TrainConfig
 from foundation.data.io import list_shards
 from foundation.data.pipeline import DataConfig, build_batch, table_to_block
 from foundation.data.schema import TASKS, EventSchema
-from foundation.train import RecModule, load_module, train
+from foundation.model.baseline import DLRMConfig
+from gem.cli import main
+from gem.config import ExperimentConfig, ModelConfig, TrainConfig
+from gem.module import RecModule, load_module, load_trained
+from gem.packaging import choose_form, register_value_model
+from gem.train import train
 from tests.events import write_dataset
-from transfer.export import StoreError, export_embeddings, open_store
-from value_models.packaging import choose_form, register_value_model
+from transfer.export import export_embeddings
+from transfer.store import StoreError, open_store
 from value_models.serving import (
     FALLBACKS,
     BudgetError,
@@ -76,7 +79,7 @@ def build_world(root: Path, *, train_student: bool = True) -> dict:
     )["checkpoint"]
     student_model = ModelConfig(arch="student", student=StudentConfig(hidden=(16,), history_len=4))
     student = train(config("student", student_model))["checkpoint"] if train_student else None
-    export_embeddings(teacher, data, root / "store", splits=SPLITS, device="cpu")
+    export_embeddings(load_trained(teacher), data, root / "store", splits=SPLITS, device="cpu")
     # A student reading the teacher's vectors. Its initial weights suffice: the tests compare serving with its
     # own forward, and training one needs teacher outputs, which test_transfer_pipeline covers.
     repr_cfg = config(
@@ -180,7 +183,7 @@ def test_fallbacks_are_defined_and_counted(world, tmp_path):
     # A store exported from the valid split only lacks some items that are still in the vocabulary.
     small = tmp_path / "small"
     export_embeddings(
-        world["teacher"], world["data"], small, splits=("valid",), device="cpu", build_retrieval_index=False
+        load_trained(world["teacher"]), world["data"], small, splits=("valid",), device="cpu", build_retrieval_index=False
     )
     absent = np.setdiff1d(np.arange(student.schema.num_items), open_store(small).arrays["item_ids"])[:3]
     assert len(absent), "the valid split should miss some items"
@@ -283,7 +286,7 @@ def test_every_response_comes_from_one_whole_version_while_a_new_one_publishes(w
         for p in module.parameters():
             p.add_(0.05)
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, other)
-    export_embeddings(other, world["data"], store, splits=SPLITS, device="cpu", build_retrieval_index=False)
+    export_embeddings(load_trained(other), world["data"], store, splits=SPLITS, device="cpu", build_retrieval_index=False)
     time.sleep(0.3)
     stop.set()
     for t in threads:
@@ -375,7 +378,7 @@ def test_a_corrupt_version_is_refused_at_open_and_never_served(world, tmp_path):
     student = load_student(world["student"])
     scorer = Scorer(student, store, ServingConfig(refresh_interval_s=0.0))
     export_embeddings(
-        world["teacher"], world["data"], store, splits=SPLITS, device="cpu", build_retrieval_index=False
+        load_trained(world["teacher"]), world["data"], store, splits=SPLITS, device="cpu", build_retrieval_index=False
     )
     # Serving features are store files like the vectors: a flipped byte in one names that file.
     target = store / "v000002" / "item_feat_item_category_values.npy"

@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from gem.packaging import register_value_model
 from tests.test_serving import build_world
-from transfer.export import open_store
-from value_models.packaging import register_value_model
+from transfer.store import open_store
 from value_models.serving import LatencyBudget, Scorer, ServingConfig, load_student
 
 NAME, ALIAS = "gem-student", "champion"

@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from foundation.config import ConfigError
 from foundation.data.io import list_shards, open_shard
 from foundation.data.schema import EventSchema
 from foundation.data.synthetic import (
     SPLITS,
-    SYNTH_PRESETS,
     SynthConfig,
-    _auc,
-    _normalized_entropy,
     build_schema,
     generate_world,
     make_world,
-    synth_preset,
 )
 from foundation.data.validate import find_bad_rows
+from gem.flavors import SYNTH_PRESETS, synth_preset
 
 SMALL = {"num_users": 400, "num_examples": 3_000, "rows_per_shard": 1_000, "users_per_block": 128}
 
@@ -144,16 +140,6 @@ def test_oracle_beats_chance(world):
     assert stats["oracle_test"]["click"]["ne"] < 0.9
 
 
-def test_auc_and_ne_helpers_match_brute_force():
-    rng = np.random.default_rng(0)
-    y = rng.random(300) < 0.3
-    p = np.round(rng.random(300), 1)  # many ties
-    pairs = [(a, b) for a, b in itertools.product(p[y], p[~y])]
-    brute = np.mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs])
-    assert _auc(y, p) == pytest.approx(brute)
-    assert _normalized_entropy(y, np.full(300, y.mean())) == pytest.approx(1.0)
-
-
 def _history_features(table: pa.Table, item_topic: np.ndarray) -> dict[str, np.ndarray]:
     """Per row: the share of the last 32 / older history events on the candidate's topic, ``[S, 2]`` each."""
     topic = _flat(table, "item_topic")
@@ -240,7 +226,7 @@ def test_presets_and_config_checks(tmp_path):
         SynthConfig(num_domains=4)
     with pytest.raises(ValueError, match="split_fractions"):
         SynthConfig(split_fractions=(0.5, 0.5, 0.0))
-    with pytest.raises(KeyError, match="unknown synthetic preset"):
+    with pytest.raises(ConfigError, match="unknown synthetic preset"):
         synth_preset("huge")
     generate_world(synth_preset("debug", **SMALL), tmp_path, progress=False)
     assert len(list_shards(tmp_path, "train")) > 1

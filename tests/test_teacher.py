@@ -15,9 +15,10 @@ from foundation.model.experts import MultiDomainExperts
 from foundation.model.generative import next_item_targets, sampled_softmax_loss
 from foundation.model.interaction import DCNv2Block, WukongBlock
 from foundation.model.jagged import SuffixLayout, last_tokens
-from foundation.model.teacher import TEACHER_FLAVORS, build_teacher, pairwise_dots, teacher_flavor
+from foundation.model.teacher import build_teacher, pairwise_dots
 from foundation.model.teacher_config import TeacherConfig
-from tests.test_teacher_support import (
+from gem.flavors import TEACHER_FLAVORS, teacher_flavor
+from tests.teacher_batches import (
     CTR_SCHEMA,
     NEXT_ITEM_SCHEMA,
     make_batch,

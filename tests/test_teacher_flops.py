@@ -18,7 +18,7 @@ from foundation.model.flops import (
 from foundation.model.jagged import SuffixLayout
 from foundation.model.teacher import build_teacher
 from kernels.flops import BACKWARD_FACTOR, valid_pairs
-from tests.test_teacher_support import CTR_SCHEMA, NEXT_ITEM_SCHEMA, make_batch, tiny_config
+from tests.teacher_batches import CTR_SCHEMA, NEXT_ITEM_SCHEMA, make_batch, tiny_config
 
 LENGTHS = [0, 1, 7, 4, 12]
 

@@ -14,8 +14,8 @@ import mlflow
 import pytest
 import torch
 
-from foundation.cli import main
-from foundation.train import load_checkpoint_file
+from foundation.checkpoint import load_checkpoint_file
+from gem.cli import main
 from tests.events import write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def dataset(tmp_path_factory):
 def _gem(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-m", "foundation.cli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "gem.cli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
@@ -125,16 +125,25 @@ def test_eval_writes_json_and_cli_errors_are_clear(dataset, tmp_path, capsys):
     assert "unreadable checkpoint" in capsys.readouterr().err
 
 
-def test_resume_with_a_changed_config_continues_the_run_and_records_the_change(dataset, tmp_path, capsys):
+def test_resume_with_a_changed_config_continues_the_run_and_records_the_change(dataset, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    args = ["train", *_train_args(dataset, out, 0)[1:], "train.max_epochs=1", "train.max_steps=8"]
+    monkeypatch.delenv("GEM_ATTENTION_BACKEND", raising=False)
+    args = ["train", *_train_args(dataset, out, 0)[1:], "model.kernels.deterministic=true", "train.max_epochs=1",
+            "train.max_steps=8"]
     assert main(args) == 0
+    # The resumed process runs the reference attention through the environment's override.
+    monkeypatch.setenv("GEM_ATTENTION_BACKEND", "pytorch")
     assert main([*args[:-1], "train.max_steps=16"]) == 0, capsys.readouterr().err
     mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=["gem"])
     assert len(runs) == 1, "the resumed run must continue the same MLflow run"
     run = mlflow.get_run(runs.iloc[0]["run_id"])
     assert run.data.params["train.max_steps"] == "8", "params stay as first logged"
-    assert run.data.tags["gem.resume.changed"] == "train.max_steps"
+    params = run.data.params
+    assert params["model.kernels.deterministic"] == params["kernels.effective.deterministic"] == "True"
+    assert params["kernels.effective.backend"] == "auto" and "kernels.env.GEM_ATTENTION_BACKEND" not in params
+    assert run.data.tags["gem.resume.changed"] == (
+        "kernels.effective.backend,kernels.env.GEM_ATTENTION_BACKEND,train.max_steps"
+    )
     resumed = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="config_resume_1.json")).read_text())
     assert resumed["train"]["max_steps"] == 16

@@ -17,9 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from foundation.config import DLRMConfig, ExperimentConfig, ModelConfig, TrainConfig
+from foundation.data.io import sha256_file
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
-from foundation.train import load_module, sha256_file, train
+from foundation.model.baseline import DLRMConfig
+from gem.config import ExperimentConfig, ModelConfig, TrainConfig
+from gem.module import load_module, load_trained
+from gem.train import train
 from tests.events import write_dataset
 from transfer.teacher_outputs import (
     MANIFEST_FILE,
@@ -63,7 +66,7 @@ def test_write_then_read_matches_the_model(teacher, tmp_path):
     dataset, ckpt, result = teacher
     uri = f"sqlite:///{ckpt.parents[2]}/mlflow.db"  # the teacher's store: already migrated, and lineage in one place
     report = write_teacher_outputs(
-        ckpt, dataset, "valid", tmp_path / "out", rows_per_shard=40, progress=False, tracking_uri=uri
+        load_trained(ckpt), dataset, "valid", tmp_path / "out", rows_per_shard=40, progress=False, tracking_uri=uri
     )
     assert report["rows"] == report["rows_computed"] == VALID_ROWS
     assert report["num_shards"] == report["shards_written"] == 4
@@ -121,19 +124,20 @@ _VICTIM = textwrap.dedent(
     """
     import sys, time
     import transfer.teacher_outputs as to
+    from gem.module import load_trained
     write = to.write_table
     def slow_write(*args, **kwargs):
         time.sleep(0.3)  # slow enough that the test can kill it between shards or mid-write
         return write(*args, **kwargs)
     to.write_table = slow_write
-    to.write_teacher_outputs(sys.argv[1], sys.argv[2], "valid", sys.argv[3], rows_per_shard=20, progress=False)
+    to.write_teacher_outputs(load_trained(sys.argv[1]), sys.argv[2], "valid", sys.argv[3], rows_per_shard=20, progress=False)
     """
 )
 
 
 def test_sigkill_mid_write_then_resume_matches_uninterrupted(teacher, tmp_path):
     dataset, ckpt, _ = teacher
-    ref = write_teacher_outputs(ckpt, dataset, "valid", tmp_path / "ref", rows_per_shard=20, progress=False)
+    ref = write_teacher_outputs(load_trained(ckpt), dataset, "valid", tmp_path / "ref", rows_per_shard=20, progress=False)
 
     cut = tmp_path / "cut"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -150,7 +154,7 @@ def test_sigkill_mid_write_then_resume_matches_uninterrupted(teacher, tmp_path):
     with pytest.raises(TeacherOutputsError, match="incomplete"):
         read_teacher_outputs(cut)
 
-    resumed = write_teacher_outputs(ckpt, dataset, "valid", cut, rows_per_shard=20, progress=False)
+    resumed = write_teacher_outputs(load_trained(ckpt), dataset, "valid", cut, rows_per_shard=20, progress=False)
     assert resumed["shards_reused"] >= 2
     assert resumed["rows_computed"] == VALID_ROWS - 20 * resumed["shards_reused"]
     assert not list(cut.glob(".*.tmp"))
@@ -160,21 +164,21 @@ def test_sigkill_mid_write_then_resume_matches_uninterrupted(teacher, tmp_path):
     assert [s["sha256"] for s in a.manifest["shards"]] == [s["sha256"] for s in b.manifest["shards"]]
     assert len(np.unique(b.table.column("example_id").to_numpy())) == ref["rows"] == VALID_ROWS
 
-    again = write_teacher_outputs(ckpt, dataset, "valid", cut, rows_per_shard=20, progress=False)
+    again = write_teacher_outputs(load_trained(ckpt), dataset, "valid", cut, rows_per_shard=20, progress=False)
     assert again["shards_reused"] == again["num_shards"] and again["rows_computed"] == 0
 
 
 def test_corrupt_shard_is_detected_and_recomputed_on_resume(teacher, tmp_path):
     dataset, ckpt, _ = teacher
     out = tmp_path / "out"
-    write_teacher_outputs(ckpt, dataset, "valid", out, rows_per_shard=50, progress=False)
+    write_teacher_outputs(load_trained(ckpt), dataset, "valid", out, rows_per_shard=50, progress=False)
     shard = out / "part-00001.parquet"
     good = shard.read_bytes()
     shard.write_bytes(good[:-20] + bytes(20))
     with pytest.raises(TeacherOutputsError, match=r"part-00001\.parquet: checksum mismatch"):
         read_teacher_outputs(out)
 
-    resumed = write_teacher_outputs(ckpt, dataset, "valid", out, rows_per_shard=50, progress=False)
+    resumed = write_teacher_outputs(load_trained(ckpt), dataset, "valid", out, rows_per_shard=50, progress=False)
     assert resumed["shards_reused"] == 2 and resumed["rows_computed"] == 50
     assert shard.read_bytes() == good
     shard.unlink()
@@ -185,7 +189,7 @@ def test_corrupt_shard_is_detected_and_recomputed_on_resume(teacher, tmp_path):
 def test_wrong_teacher_or_schema_or_job_is_refused(teacher, tmp_path):
     dataset, ckpt, _ = teacher
     out = tmp_path / "out"
-    write_teacher_outputs(ckpt, dataset, "valid", out, rows_per_shard=100, progress=False)
+    write_teacher_outputs(load_trained(ckpt), dataset, "valid", out, rows_per_shard=100, progress=False)
 
     other = tmp_path / "other.ckpt"
     state = torch.load(ckpt, weights_only=True)
@@ -201,9 +205,9 @@ def test_wrong_teacher_or_schema_or_job_is_refused(teacher, tmp_path):
 
     # Resuming into the directory with another checkpoint or shard size must not mix two jobs' rows.
     with pytest.raises(TeacherOutputsError, match="checkpoint_sha256: existing"):
-        write_teacher_outputs(other, dataset, "valid", out, rows_per_shard=100, progress=False)
+        write_teacher_outputs(load_trained(other), dataset, "valid", out, rows_per_shard=100, progress=False)
     with pytest.raises(TeacherOutputsError, match="rows_per_shard: existing 100, requested 30"):
-        write_teacher_outputs(ckpt, dataset, "valid", out, rows_per_shard=30, progress=False)
+        write_teacher_outputs(load_trained(ckpt), dataset, "valid", out, rows_per_shard=30, progress=False)
     assert pq.read_metadata(out / "part-00000.parquet").num_rows == 100
 
 
@@ -215,9 +219,9 @@ def test_a_teacher_trained_elsewhere_is_named_by_its_run_id(teacher, tmp_path):
     copied.write_bytes(ckpt.read_bytes())
     uri = f"sqlite:///{ckpt.parents[2]}/mlflow.db"
     kwargs = {"rows_per_shard": 64, "progress": False, "tracking_uri": uri}
-    unnamed = write_teacher_outputs(copied, dataset, "valid", tmp_path / "a", **kwargs)
+    unnamed = write_teacher_outputs(load_trained(copied), dataset, "valid", tmp_path / "a", **kwargs)
     assert unnamed["manifest"]["teacher"]["mlflow_run_id"] is None
-    named = write_teacher_outputs(copied, dataset, "valid", tmp_path / "b", run_id="run-on-the-gpu", **kwargs)
+    named = write_teacher_outputs(load_trained(copied), dataset, "valid", tmp_path / "b", run_id="run-on-the-gpu", **kwargs)
     assert named["manifest"]["teacher"]["mlflow_run_id"] == "run-on-the-gpu"
     tags = mlflow.MlflowClient(uri).get_run(named["run_id"]).data.tags
     assert tags["gem.stage"] == "teacher_outputs" and tags["gem.teacher_run_id"] == "run-on-the-gpu"

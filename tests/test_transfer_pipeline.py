@@ -10,12 +10,14 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from experiments.flavors import get_flavor
-from foundation.cli import main
 from foundation.config import apply_overrides
-from foundation.train import RecModule, load_module, predict_split, train
+from gem.cli import main
+from gem.evaluate import predict_split
+from gem.flavors import get_flavor
+from gem.module import RecModule, load_module
+from gem.report import REPORT_MD, ReportConfig, run_transfer_report
+from gem.train import train
 from tests.events import write_dataset
-from transfer.report import REPORT_MD, ReportConfig, run_transfer_report
 from transfer.teacher_outputs import TeacherOutputsError
 
 

@@ -9,10 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from foundation.cli import POLICY_CHOICES
-from foundation.config import DLRMConfig, ExperimentConfig, ModelConfig
-from foundation.data.io import CorruptFileError
-from foundation.train import RecModule, sha256_file
+from foundation.data.io import CorruptFileError, sha256_file
+from foundation.model.baseline import DLRMConfig
+from gem.cli import POLICY_CHOICES
+from gem.config import ExperimentConfig, ModelConfig
+from gem.module import RecModule
+from gem.registry import ITEM_TABLES
 from tests.events import SCHEMA
 from transfer.sharing import (
     POLICIES,
@@ -26,13 +28,14 @@ from transfer.sharing import (
     read_teacher_checkpoint,
     teacher_tables,
 )
+from value_models.serving import load_student
 
 TEACHER_DIM = 8
 
 
 @pytest.fixture(scope="module")
 def teacher_ckpt(tmp_path_factory):
-    """A DLRM teacher checkpoint in the layout ``foundation.train`` writes (``state_dict`` with ``model.`` keys)."""
+    """A DLRM teacher checkpoint in the layout ``gem train`` writes (``state_dict`` with ``model.`` keys)."""
     torch.manual_seed(0)
     cfg = ExperimentConfig(model=ModelConfig(dlrm=DLRMConfig(embedding_dim=TEACHER_DIM, repr_dim=6)))
     module = RecModule(cfg.to_dict(), json.loads(SCHEMA.to_json()))
@@ -173,14 +176,14 @@ def test_missing_or_misshapen_teacher_parameters_are_named(teacher_ckpt):
 
 def test_default_table_map_translates_the_item_table_of_each_arch():
     student_tables = ["t_user_age", "t_item_category", "t_item_id"]
-    assert default_table_map(student_tables, "student", "dlrm") == {t: t for t in student_tables}
-    assert default_table_map(student_tables, "student", "teacher") == {
+    assert default_table_map(student_tables, "student", "dlrm", ITEM_TABLES) == {t: t for t in student_tables}
+    assert default_table_map(student_tables, "student", "teacher", ITEM_TABLES) == {
         "t_user_age": "t_user_age", "t_item_category": "t_item_category", "t_item_id": "t_item",
     }
     with pytest.raises(SharingError, match=r"no table-name map for model.arch 'hstu'.*transfer.share_tables"):
-        default_table_map(student_tables, "student", "hstu")
+        default_table_map(student_tables, "student", "hstu", ITEM_TABLES)
     with pytest.raises(SharingError, match=r"does not name its model\.arch"):
-        default_table_map(student_tables, "student", None)
+        default_table_map(student_tables, "student", None, ITEM_TABLES)
 
 
 def _module(arch: str, **transfer) -> RecModule:
@@ -229,6 +232,10 @@ def test_harness_shares_from_either_teacher_arch_and_loads_without_it(tmp_path, 
     loaded = RecModule(ckpt["hyper_parameters"]["config"], ckpt["hyper_parameters"]["schema"], from_checkpoint=True)
     loaded.load_state_dict(ckpt["state_dict"])
     assert torch.equal(loaded.model.tables["t_item_id"].table.weight, teacher_item + 1.0)
+    # Serving rebuilds it without the training harness, from the same record.
+    served = load_student(saved)
+    assert torch.equal(served.tables["t_item_id"].table.weight, teacher_item + 1.0)
+    assert not served.training and isinstance(served.tables["t_item_id"], ProjectedTable)
 
 
 def test_harness_sharing_errors_name_the_checkpoint_and_table(tmp_path):

@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from foundation.config import DLRMConfig, ExperimentConfig, ModelConfig, dataclass_from_dict
+from foundation.config import dataclass_from_dict
 from foundation.data.pipeline import DataConfig, EventStream
+from foundation.model.baseline import DLRMConfig
 from foundation.model.teacher import GEMTeacher
 from foundation.model.teacher_config import TeacherConfig
-from foundation.train import RecModule
+from gem.config import ExperimentConfig, ModelConfig
+from gem.module import RecModule, load_trained
 from tests.events import SCHEMA, write_dataset
 from transfer.distill import AdapterConfig, AuxHeadConfig
 from transfer.sharing import SharingConfig, apply_sharing
@@ -140,7 +142,7 @@ def test_student_distils_from_written_teacher_outputs(tmp_path):
     module = RecModule(cfg.to_dict(), json.loads(SCHEMA.to_json()))
     ckpt = tmp_path / "teacher.ckpt"
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, ckpt)
-    write_teacher_outputs(ckpt, data, "train", tmp_path / "outputs", rows_per_shard=40, progress=False)
+    write_teacher_outputs(load_trained(ckpt), data, "train", tmp_path / "outputs", rows_per_shard=40, progress=False)
     outputs = read_teacher_outputs(tmp_path / "outputs", checkpoint=ckpt)
 
     student_cfg = StudentConfig(

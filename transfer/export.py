@@ -1,22 +1,7 @@
-"""The versioned embedding store: teacher user/item vectors for serving and retrieval.
+"""The versioned embedding store's writer: teacher user/item vectors for serving and retrieval.
 
-Layout of a store::
-
-    LATEST                 the name of the newest published version, e.g. ``v000003`` (replaced atomically)
-    .lock                  held (flock) by the one exporter writing at a time
-    v000001/
-        manifest.json      version, parent, mode, teacher run id, checkpoint sha256, created_at, dims,
-                           row counts, refresh counts, sha256 and size of every other file
-        users.npy          float32 [U, d]  user_repr from each user's latest row (max timestamp)
-        user_ids.npy       int64 [U], sorted ascending (lookups use searchsorted)
-        user_timestamps.npy    int64 [U]   timestamp of the row each vector was computed from
-        user_fingerprints.npy  uint64 [U]  hash of that row's user-side model inputs
-        user_updated_version.npy int64 [U] the version that computed the vector (freshness)
-        items.npy, item_ids.npy, item_timestamps.npy, item_fingerprints.npy, item_updated_version.npy
-                           the same for every candidate item (item-side inputs of its latest row)
-        items.faiss, index.json    the retrieval index over ``items.npy`` (:mod:`transfer.index`)
-        user_feat_{name}_offsets.npy / _values.npy   serving features of the same latest row (below)
-        user_history_offsets.npy / _values.npy, user_dense.npy, item_feat_{name}_offsets.npy / _values.npy
+The store's layout and its reader (open, latest version, verify) are in :mod:`transfer.store`; this
+module writes versions.
 
 Serving features: a value model scored at serving time (:mod:`value_models.serving`) needs the raw inputs
 of the row each vector came from, so every version also stores them, in the same row order as the ids:
@@ -48,7 +33,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -61,144 +45,39 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from foundation.data.io import atomic_write_text, fsync_dir, iter_valid_row_groups, list_shards, open_shard
-from foundation.data.pipeline import RowBlock, _gather_jagged, build_batch, table_to_block
+from foundation.checkpoint import TrainedModel, checkpoint_run_id
+from foundation.data.io import (
+    atomic_write_text,
+    fsync_dir,
+    iter_valid_row_groups,
+    list_shards,
+    open_shard,
+    sha256_file,
+)
+from foundation.data.pipeline import RowBlock, build_batch, gather_jagged, table_to_block
 from foundation.data.schema import HISTORY_FIELDS, SCHEMA_FILE, EventSchema
-from foundation.train import RecModule, load_module, sha256_file
-from transfer.index import INDEX_FILE, INDEX_META_FILE, ItemIndex, build_index, load_index, save_index
+from transfer.index import INDEX_FILE, INDEX_META_FILE, build_index, save_index
 from transfer.lineage import log_lineage_run
-from transfer.teacher_outputs import teacher_run_id
+from transfer.store import (
+    ARRAY_NAMES,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    SIDES,
+    EmbeddingStore,
+    StoreError,
+    latest_version,
+    list_versions,
+    open_store,
+    version_name,
+)
 
-MANIFEST_FILE = "manifest.json"
-LATEST_FILE = "LATEST"
-FORMAT_VERSION = 1
-VERSION_RE = re.compile(r"^v(\d{6})$")
-SIDES = ("user", "item")
 KEY_COLUMN = {"user": "user_id", "item": "item_id"}
 REPR = {"user": "user_repr", "item": "item_repr"}
-ARRAY_NAMES = {side: {"vectors": f"{side}s", "ids": f"{side}_ids", "timestamps": f"{side}_timestamps",
-                      "fingerprints": f"{side}_fingerprints", "updated_version": f"{side}_updated_version"}
-               for side in SIDES}
 # History items kept per user for serving-time features; a student's history_len must not exceed it.
 FEATURE_HISTORY_LEN = 64
 # splitmix64 finaliser constants: cheap, well-mixed 64-bit hashing in vectorised numpy.
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-class StoreError(ValueError):
-    """An embedding store or version that cannot be used: missing, corrupt, or incompatible."""
-
-
-def version_name(version: int) -> str:
-    return f"v{version:06d}"
-
-
-def list_versions(store_root: str | Path) -> list[int]:
-    """Published versions, ascending (hidden temp and trash dirs are not versions)."""
-    root = Path(store_root)
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := VERSION_RE.match(p.name)) and p.is_dir())
-
-
-def latest_version(store_root: str | Path) -> int | None:
-    path = Path(store_root) / LATEST_FILE
-    if not path.is_file():
-        return None
-    text = path.read_text().strip()
-    if not (m := VERSION_RE.match(text)):
-        raise StoreError(f"{path}: not a version name: {text!r}")
-    return int(m.group(1))
-
-
-# -- reading --------------------------------------------------------------------------------------
-
-
-@dataclass
-class EmbeddingStore:
-    """One verified store version; arrays are read-only memory maps.
-
-    ``users``/``items`` are ``[U, d]``/``[I, d]`` float32 with ids ``user_ids[U]``/``item_ids[I]``
-    (sorted); freshness arrays as in the module doc.
-    """
-
-    path: Path
-    manifest: dict
-    arrays: dict[str, np.ndarray]
-
-    @property
-    def version(self) -> int:
-        return self.manifest["version"]
-
-    def side(self, side: str, key: str) -> np.ndarray:
-        return self.arrays[ARRAY_NAMES[side][key]]
-
-    def rows(self, side: str, ids) -> tuple[np.ndarray, np.ndarray]:
-        """``ids[B]`` -> ``(rows[B] int64, found[B] bool)``: each id's row in this version's arrays (0 if unknown)."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        known = self.side(side, "ids")
-        rows = np.minimum(np.searchsorted(known, ids), max(len(known) - 1, 0))
-        found = known[rows] == ids if len(known) else np.zeros(len(ids), bool)
-        return rows, found
-
-    def _lookup(self, side: str, ids) -> tuple[np.ndarray, np.ndarray]:
-        rows, found = self.rows(side, ids)
-        vectors = self.side(side, "vectors")
-        out = np.zeros((len(rows), vectors.shape[1]), np.float32)
-        out[found] = vectors[rows[found]]
-        return out, found
-
-    def lookup_users(self, ids) -> tuple[np.ndarray, np.ndarray]:
-        """``ids[B]`` -> ``(vectors[B, d] float32, found[B] bool)``; unknown users get zero vectors."""
-        return self._lookup("user", ids)
-
-    def lookup_items(self, ids) -> tuple[np.ndarray, np.ndarray]:
-        """``ids[B]`` -> ``(vectors[B, d] float32, found[B] bool)``; unknown items get zero vectors."""
-        return self._lookup("item", ids)
-
-    def index(self) -> ItemIndex:
-        """The version's retrieval index (verified with the version at open)."""
-        if self.manifest.get("index") is None:
-            raise StoreError(f"{self.path}: this version was exported without a retrieval index")
-        return load_index(self.path)
-
-
-def open_store(store_root: str | Path, version: int | None = None, *, verify: bool = True) -> EmbeddingStore:
-    """Open ``version`` (default: ``LATEST``), check every file against the manifest, memory-map the arrays.
-
-    A missing, resized or modified file raises :class:`StoreError` naming it. ``verify=False`` skips the
-    sha256 pass (sizes are still checked) for stores too large to hash at every open.
-    """
-    root = Path(store_root)
-    version = latest_version(root) if version is None else version
-    if version is None:
-        raise StoreError(f"{root}: no {LATEST_FILE}; no version has been published")
-    path = root / version_name(version)
-    manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise StoreError(f"{path}: version {version} not found (deleted by retention, or never published)")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("version") != version:
-        raise StoreError(f"{manifest_path}: not a format-{FORMAT_VERSION} manifest of version {version}")
-    for name, entry in manifest["files"].items():
-        _verify_file(path / name, entry, verify)
-    arrays = {
-        name.removesuffix(".npy"): np.load(path / name, mmap_mode="r", allow_pickle=False)
-        for name in manifest["files"]
-        if name.endswith(".npy")
-    }
-    return EmbeddingStore(path, manifest, arrays)
-
-
-def _verify_file(path: Path, entry: dict, check_sha: bool) -> None:
-    if not path.is_file():
-        raise StoreError(f"{path}: listed in the manifest but missing")
-    if path.stat().st_size != entry["bytes"]:
-        raise StoreError(f"{path}: {path.stat().st_size} bytes, manifest says {entry['bytes']}: truncated or modified")
-    if check_sha and (actual := sha256_file(path)) != entry["sha256"]:
-        raise StoreError(
-            f"{path}: checksum mismatch (manifest {entry['sha256'][:12]}…, file {actual[:12]}…): corrupt or modified"
-        )
 
 
 # -- selecting each entity's latest row -----------------------------------------------------------
@@ -302,7 +181,7 @@ def fingerprints(block: RowBlock, schema: EventSchema, side: str) -> np.ndarray:
 
 def _jagged_arrays(offsets: np.ndarray, values: np.ndarray, keep_last: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Every row of a jagged column, each cut to its ``keep_last`` most recent values: ``(offsets, values)`` int64."""
-    lengths, kept = _gather_jagged(offsets, values, np.arange(len(offsets) - 1), keep_last)
+    lengths, kept = gather_jagged(offsets, values, np.arange(len(offsets) - 1), keep_last)
     return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), kept.astype(np.int64)
 
 
@@ -324,20 +203,22 @@ def feature_arrays(block: RowBlock, schema: EventSchema, side: str, history_len:
 
 
 @torch.inference_mode()
-def embed_rows(module: RecModule, block: RowBlock, rows: np.ndarray, side: str, batch_size: int, device: str) -> np.ndarray:
+def embed_rows(
+    teacher: TrainedModel, block: RowBlock, rows: np.ndarray, side: str, batch_size: int, device: str
+) -> np.ndarray:
     """``[len(rows), d]`` float32 ``user_repr`` or ``item_repr`` of ``block``'s ``rows``, ``batch_size`` rows per forward."""
     out = []
     for lo in range(0, len(rows), batch_size):
-        batch = build_batch([(block, rows[lo : lo + batch_size])], module.schema, module.cfg.data.max_len, None)
-        vectors = getattr(module.model(batch.to(device)), REPR[side])
+        batch = build_batch([(block, rows[lo : lo + batch_size])], teacher.schema, teacher.max_len, None)
+        vectors = getattr(teacher.model(batch.to(device)), REPR[side])
         if vectors is None:
-            raise StoreError(f"model {module.cfg.model.arch!r} has no {REPR[side]} to export")
+            raise StoreError(f"model {teacher.arch!r} has no {REPR[side]} to export")
         out.append(vectors.float().cpu().numpy())
     return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
 
 def refresh_side(
-    module: RecModule, latest: Latest, side: str, parent: EmbeddingStore | None, version: int, batch_size: int, device: str
+    teacher: TrainedModel, latest: Latest, side: str, parent: EmbeddingStore | None, version: int, batch_size: int, device: str
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one side for ``version``: rows whose fingerprint matches ``parent`` are copied, others computed.
 
@@ -345,10 +226,10 @@ def refresh_side(
     row is computed.
     """
     block, ids = latest.blocks[side], latest.ids(side)
-    prints = fingerprints(block, module.schema, side)
+    prints = fingerprints(block, teacher.schema, side)
     same, pos = _unchanged(parent, side, ids, prints)
     t0 = time.perf_counter()
-    computed = embed_rows(module, block, np.flatnonzero(~same), side, batch_size, device)
+    computed = embed_rows(teacher, block, np.flatnonzero(~same), side, batch_size, device)
     model_seconds = time.perf_counter() - t0
     dims = computed.shape[1] if len(computed) else (parent.side(side, "vectors").shape[1] if parent else 0)
     if parent is not None and parent.side(side, "vectors").shape[1] != dims:
@@ -471,18 +352,18 @@ def apply_retention(store_root: str | Path, keep: int) -> list[int]:
     return doomed
 
 
-def _base_manifest(ckpt_path: Path, module: RecModule, dataset_dir: Path, splits: tuple[str, ...]) -> dict:
+def _base_manifest(teacher: TrainedModel, dataset_dir: Path, splits: tuple[str, ...]) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "teacher": {
-            "checkpoint": str(ckpt_path.resolve()),
-            "checkpoint_sha256": sha256_file(ckpt_path),
-            "mlflow_run_id": teacher_run_id(ckpt_path),
-            "arch": module.cfg.model.arch,
-            "flavor": module.cfg.name,
+            "checkpoint": str(teacher.path.resolve()),
+            "checkpoint_sha256": sha256_file(teacher.path),
+            "mlflow_run_id": checkpoint_run_id(teacher.path),
+            "arch": teacher.arch,
+            "flavor": teacher.flavor,
         },
         "source": {"dataset": str(dataset_dir), "splits": list(splits), "schema_sha256": sha256_file(dataset_dir / SCHEMA_FILE)},
-        "max_len": module.cfg.data.max_len,
+        "max_len": teacher.max_len,
     }
 
 
@@ -497,7 +378,7 @@ def _check_parent(parent: EmbeddingStore, manifest: dict) -> None:
 
 
 def export_embeddings(
-    ckpt_path: str | Path,
+    teacher: TrainedModel,
     dataset_dir: str | Path,
     store_root: str | Path,
     *,
@@ -511,18 +392,20 @@ def export_embeddings(
     device: str | None = None,
     feature_history_len: int = FEATURE_HISTORY_LEN,
 ) -> dict:
-    """Compute and publish a new store version (module doc); ``since`` makes it an incremental refresh.
+    """Compute and publish a new store version of ``teacher``'s vectors (module doc); ``since`` makes it an
+    incremental refresh. The model runs on ``device`` (default: CUDA when available), ``batch_size`` rows at a
+    time (default: its training batch size).
 
     Returns ``{"version", "path", "parent", "mode", "users", "items", "users_recomputed",
     "users_copied", "items_recomputed", "items_copied", "deleted", "seconds" (per phase), "manifest"}``
     (+ ``"run_id"`` with
     ``tracking_uri``).
     """
-    ckpt_path, dataset_dir, root = Path(ckpt_path), Path(dataset_dir).resolve(), Path(store_root)
+    dataset_dir, root = Path(dataset_dir).resolve(), Path(store_root)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    module = load_module(ckpt_path).to(device)
-    batch_size = batch_size or module.cfg.data.batch_size
-    manifest = _base_manifest(ckpt_path, module, dataset_dir, tuple(splits))
+    teacher.model.to(device)
+    batch_size = batch_size or teacher.batch_size
+    manifest = _base_manifest(teacher, dataset_dir, tuple(splits))
     with _writer_lock(root):
         _remove_leftovers(root)
         parent = open_store(root, since) if since is not None else None
@@ -530,9 +413,9 @@ def export_embeddings(
             _check_parent(parent, manifest)
         version = max(list_versions(root), default=0) + 1
         t0 = time.perf_counter()
-        latest = select_latest(dataset_dir, tuple(splits), module.schema)
+        latest = select_latest(dataset_dir, tuple(splits), teacher.schema)
         t1 = time.perf_counter()
-        sides = {side: refresh_side(module, latest, side, parent, version, batch_size, device) for side in SIDES}
+        sides = {side: refresh_side(teacher, latest, side, parent, version, batch_size, device) for side in SIDES}
         t2 = time.perf_counter()
         manifest.update(
             version=version,
@@ -543,10 +426,10 @@ def export_embeddings(
             rows={side: len(latest.ids(side)) for side in SIDES},
             refresh={f"{side}s_{k}": v for side in SIDES for k, v in sides[side][1].items()},
         )
-        features = {k: v for side in SIDES for k, v in feature_arrays(latest.blocks[side], module.schema, side,
+        features = {k: v for side in SIDES for k, v in feature_arrays(latest.blocks[side], teacher.schema, side,
                                                                        feature_history_len).items()}
-        manifest["features"] = {"history_len": feature_history_len, "dense_dim": module.schema.dense_dim,
-                                **{side: [f.name for f in module.schema.sparse if f.side == side] for side in SIDES}}
+        manifest["features"] = {"history_len": feature_history_len, "dense_dim": teacher.schema.dense_dim,
+                                **{side: [f.name for f in teacher.schema.sparse if f.side == side] for side in SIDES}}
         arrays = {side: side_arrays for side, (side_arrays, _, _) in sides.items()}
         path = _write_version(
             root, arrays, features, manifest, with_index=build_retrieval_index, index_factory=index_factory

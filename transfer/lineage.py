@@ -3,7 +3,7 @@
 Every stage that consumes a teacher checkpoint (teacher outputs, embedding export, transfer report) is
 one MLflow run tagged ``gem.stage``, ``gem.teacher_run_id`` (empty when the teacher was trained outside
 MLflow) and ``gem.checkpoint_sha256``. Student training runs carry the same two teacher tags
-(:func:`foundation.train.transfer_lineage`), so a served value model can be followed back to its data.
+(:func:`gem.train.transfer_lineage`), so a served value model can be followed back to its data.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
-
-import mlflow
 
 
 def lineage_tags(stage: str, teacher: dict, **extra: str) -> dict[str, str]:
@@ -48,6 +46,9 @@ def log_lineage_run(
     file name to a JSON document (a manifest); ``artifacts`` are files logged as they are. Non-finite
     metrics are left out (MLflow would store them, but they are no measurement).
     """
+    # Imported here: the transfer stages also run on machines without MLflow when not tracked.
+    import mlflow
+
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(experiment)
     with mlflow.start_run(run_name=run_name) as run:

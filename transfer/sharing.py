@@ -3,9 +3,10 @@
 Tables are matched by feature: a student keeps its tables in an ``nn.ModuleDict`` (``student.tables``
 by default) of ``nn.Embedding`` / ``nn.EmbeddingBag``. Every architecture names a categorical feature's
 table ``t_<feature>`` (e.g. ``t_age_bucket``), but the item-id table's name differs: ``t_item_id`` in the
-DLRM and the student, ``t_item`` in the GEM teacher (:data:`ITEM_TABLES`). :func:`default_table_map`
-translates through the feature, so a student shares from either teacher arch without configuration;
-:attr:`SharingConfig.tables` (``transfer.share_tables``) overrides it. Where the embedding dims differ,
+DLRM and the student, ``t_item`` in the GEM teacher. The caller passes that map (``model.arch`` -> item
+table, ``gem.registry.ITEM_TABLES``); :func:`default_table_map` translates through the feature, so a
+student shares from either teacher arch without configuration; :attr:`SharingConfig.tables`
+(``transfer.share_tables``) overrides it. Where the embedding dims differ,
 the student's table becomes the teacher's table followed by a learned projection
 (:class:`ProjectedTable`). A policy then says what training may do to the teacher's parameters:
 
@@ -16,35 +17,31 @@ the student's table becomes the teacher's table followed by a learned projection
 All checkpoint reading goes through :func:`read_teacher_checkpoint`, so a reader for sharded (DCP)
 checkpoints only has to be added there.
 
-In training, :class:`foundation.train.RecModule` applies sharing when ``transfer.share_from`` is set
-(:func:`share_from_config`) and records each shared table's teacher dim in ``transfer.shared_dims``;
+In training, :class:`gem.module.RecModule` applies sharing when ``transfer.share_from`` is set
+(:func:`share_from_checkpoint`) and records each shared table's teacher dim in ``transfer.shared_dims``;
 loading the trained student rebuilds that layout from the record alone (:func:`restore_shared_layout`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from foundation.config import TransferConfig
-from foundation.model.embeddings import ITEM_TABLE as GEM_ITEM_TABLE
-from foundation.train import load_checkpoint_file, sha256_file
-from value_models.student import ITEM_TABLE as STUDENT_ITEM_TABLE
+from foundation.checkpoint import read_training_checkpoint
+from foundation.data.io import sha256_file
 
 POLICIES = ("freeze", "finetune", "finetune_lower_lr")
 # torchrec keeps a collection's tables at ``<collection>.embedding_bags.<table>.weight`` (pooled) or
 # ``<collection>.embeddings.<table>.weight`` (sequence); both are embedding tables to a student.
 _TABLE_KEY = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
-_MODULE_PREFIX = "model."
 ITEM_FEATURE = "item_id"
-# The item-id table of each ``model.arch``; every other table is ``t_<feature>`` in all of them.
-# (The DLRM's is named in ``foundation.model.baseline``.)
-ITEM_TABLES: dict[str, str] = {"dlrm": "t_item_id", "teacher": GEM_ITEM_TABLE, "student": STUDENT_ITEM_TABLE}
 
 
 class SharingError(ValueError):
@@ -65,44 +62,46 @@ class TeacherCheckpoint:
 def read_teacher_checkpoint(path: str | Path) -> TeacherCheckpoint:
     """Read a teacher checkpoint (``weights_only=True``, no pickle code); the one reader of teacher parameters.
 
-    Accepts a Lightning checkpoint of :class:`foundation.train.RecModule` (whose keys start with
-    ``model.`` and whose hyper-parameters name the arch) or a bare state dict.
+    Accepts a ``gem train`` checkpoint (:mod:`foundation.checkpoint`, whose config names the arch) or a
+    bare state dict.
     """
-    ckpt = load_checkpoint_file(path)
-    state = ckpt.get("state_dict", ckpt)
-    config = (ckpt.get("hyper_parameters") or {}).get("config") or {}
-    return TeacherCheckpoint(
-        path=Path(path),
-        sha256=sha256_file(path),
-        arch=config.get("model", {}).get("arch"),
-        state={k.removeprefix(_MODULE_PREFIX): v for k, v in state.items() if isinstance(v, torch.Tensor)},
-    )
+    ckpt = read_training_checkpoint(path, allow_bare=True)
+    return TeacherCheckpoint(path=ckpt.path, sha256=sha256_file(path), arch=ckpt.arch, state=ckpt.state)
 
 
-def feature_of_table(table: str, arch: str) -> str:
+def feature_of_table(table: str, arch: str, item_tables: Mapping[str, str]) -> str:
     """The feature a table of ``arch`` embeds: ``item_id`` for its item table, else the name after ``t_``."""
-    return ITEM_FEATURE if table == _item_table(arch) else table.removeprefix("t_")
+    return ITEM_FEATURE if table == _item_table(arch, item_tables) else table.removeprefix("t_")
 
 
-def table_of_feature(feature: str, arch: str) -> str:
+def table_of_feature(feature: str, arch: str, item_tables: Mapping[str, str]) -> str:
     """The name ``arch`` gives the table of ``feature``."""
-    return _item_table(arch) if feature == ITEM_FEATURE else f"t_{feature}"
+    return _item_table(arch, item_tables) if feature == ITEM_FEATURE else f"t_{feature}"
 
 
-def _item_table(arch: str) -> str:
-    if arch not in ITEM_TABLES:
+def _item_table(arch: str, item_tables: Mapping[str, str]) -> str:
+    if arch not in item_tables:
         raise SharingError(
-            f"no table-name map for model.arch {arch!r} (known: {sorted(ITEM_TABLES)}); "
+            f"no table-name map for model.arch {arch!r} (known: {sorted(item_tables)}); "
             "map tables explicitly with transfer.share_tables"
         )
-    return ITEM_TABLES[arch]
+    return item_tables[arch]
 
 
-def default_table_map(student_tables: Iterable[str], student_arch: str, teacher_arch: str | None) -> dict[str, str]:
-    """Student table -> the teacher table of the same feature, e.g. ``{"t_item_id": "t_item"}`` from a GEM teacher."""
+def default_table_map(
+    student_tables: Iterable[str], student_arch: str, teacher_arch: str | None, item_tables: Mapping[str, str]
+) -> dict[str, str]:
+    """Student table -> the teacher table of the same feature, e.g. ``{"t_item_id": "t_item"}`` from a GEM teacher.
+
+    ``item_tables`` maps each ``model.arch`` to the name of its item-id table (every other table is
+    ``t_<feature>`` in all of them).
+    """
     if teacher_arch is None:
         raise SharingError("the teacher checkpoint does not name its model.arch; map tables with transfer.share_tables")
-    return {name: table_of_feature(feature_of_table(name, student_arch), teacher_arch) for name in student_tables}
+    return {
+        name: table_of_feature(feature_of_table(name, student_arch, item_tables), teacher_arch, item_tables)
+        for name in student_tables
+    }
 
 
 def teacher_tables(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -301,54 +300,63 @@ def build_param_groups(student: nn.Module, result: SharingResult, lr: float) -> 
     return groups
 
 
-def sharing_config(transfer: TransferConfig, tables: dict[str, str]) -> SharingConfig:
-    """The :class:`SharingConfig` of a run's ``transfer`` section, sharing ``tables`` (student -> teacher)."""
+def sharing_config(transfer: Mapping[str, Any]) -> SharingConfig:
+    """The :class:`SharingConfig` of a run's ``transfer`` config section, as a dict (``share_tables``,
+    ``share_towers``, ``share_policy``, ``share_lr_scale``; see :class:`gem.config.TransferConfig`)."""
     return SharingConfig(
-        tables=tables,
-        towers=dict(transfer.share_towers),
-        policy=transfer.share_policy,
-        lr_scale=transfer.share_lr_scale,
+        tables=dict(transfer["share_tables"]),
+        towers=dict(transfer["share_towers"]),
+        policy=transfer["share_policy"],
+        lr_scale=transfer["share_lr_scale"],
     )
 
 
-def share_from_config(student: nn.Module, transfer: TransferConfig, student_arch: str) -> SharingResult:
-    """Start ``student`` from the teacher checkpoint ``transfer.share_from`` (module doc), in place.
+def share_from_checkpoint(
+    student: nn.Module,
+    checkpoint: str | Path,
+    cfg: SharingConfig,
+    *,
+    student_arch: str,
+    item_tables: Mapping[str, str],
+    expected_sha256: str = "",
+) -> SharingResult:
+    """Start ``student`` from the teacher checkpoint ``checkpoint`` (module doc), in place.
 
-    Tables follow ``transfer.share_tables``, else :func:`default_table_map` for the checkpoint's arch. When
-    ``transfer.checkpoint_sha256`` is set (the teacher of the run's teacher outputs), the checkpoint must be
-    that teacher. Errors name the checkpoint and the missing or misfit table.
+    Tables follow ``cfg.tables``, else :func:`default_table_map` for the checkpoint's arch. With
+    ``expected_sha256`` (the teacher of the run's teacher outputs), the checkpoint must be that teacher.
+    Errors name the checkpoint and the missing or misfit table.
     """
-    teacher = read_teacher_checkpoint(transfer.share_from)
-    if transfer.checkpoint_sha256 and teacher.sha256 != transfer.checkpoint_sha256:
+    teacher = read_teacher_checkpoint(checkpoint)
+    if expected_sha256 and teacher.sha256 != expected_sha256:
         raise SharingError(
             f"transfer.share_from {teacher.path} has sha256 {teacher.sha256[:12]}…, but the run's teacher outputs "
-            f"come from checkpoint {transfer.checkpoint_sha256[:12]}…; share from the same teacher"
+            f"come from checkpoint {expected_sha256[:12]}…; share from the same teacher"
         )
-    tables: nn.ModuleDict = getattr(student, SharingConfig.tables_attr)
-    mapping = dict(transfer.share_tables) or default_table_map(tables, student_arch, teacher.arch)
+    tables: nn.ModuleDict = getattr(student, cfg.tables_attr)
+    mapping = dict(cfg.tables) or default_table_map(tables, student_arch, teacher.arch, item_tables)
     try:
-        return apply_sharing(student, teacher.state, sharing_config(transfer, mapping))
+        return apply_sharing(student, teacher.state, dataclasses.replace(cfg, tables=mapping))
     except SharingError as exc:
         raise SharingError(f"{teacher.path} (model.arch={teacher.arch!r}): {exc}") from exc
 
 
-def restore_shared_layout(student: nn.Module, transfer: TransferConfig) -> SharingResult:
-    """Rebuild what :func:`share_from_config` did to ``student`` from ``transfer.shared_dims``, without the teacher.
+def restore_shared_layout(student: nn.Module, shared_dims: Mapping[str, int], cfg: SharingConfig) -> SharingResult:
+    """Rebuild what :func:`share_from_checkpoint` did to ``student`` without the teacher, from ``shared_dims``
+    (student table -> the teacher dim it was built from, :attr:`SharingResult.table_dims`).
 
     Projected tables get their structure (values come from the student's own checkpoint), shared parameters
-    their policy; used to load a trained student wherever the teacher checkpoint is not at hand.
+    (``cfg.towers`` too) their policy; used to load a trained student wherever the teacher checkpoint is not at hand.
     """
-    if not transfer.shared_dims:
+    if not shared_dims:
         raise SharingError(
-            f"transfer.share_from={transfer.share_from!r} but no transfer.shared_dims: the config was not saved by a "
+            "transfer.share_from is set but transfer.shared_dims is empty: the config was not saved by a "
             "training run, so the student's shared layout is unknown"
         )
-    cfg = sharing_config(transfer, {})
     tables: nn.ModuleDict = getattr(student, cfg.tables_attr)
     shared: list[nn.Parameter] = []
     new: list[nn.Parameter] = []
     report: dict[str, dict] = {}
-    for name, teacher_dim in transfer.shared_dims.items():
+    for name, teacher_dim in shared_dims.items():
         if name not in tables:
             raise SharingError(f"transfer.shared_dims names table {name!r}; the student's tables: {sorted(tables)}")
         table = tables[name]
@@ -360,7 +368,7 @@ def restore_shared_layout(student: nn.Module, transfer: TransferConfig) -> Shari
             new.append(table.proj.weight)
         shared.append(table.table.weight if isinstance(table, ProjectedTable) else table.weight)
         report[name] = {"teacher_shape": [rows, teacher_dim], "projected": teacher_dim != dim}
-    for path in transfer.share_towers:
+    for path in cfg.towers:
         shared += list(student.get_submodule(path).parameters())
     if cfg.policy == "freeze":
         for p in shared:

@@ -35,17 +35,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from foundation.checkpoint import TrainedModel, checkpoint_run_id
 from foundation.data.batch import JaggedBatch
-from foundation.data.io import atomic_write_text, iter_valid_row_groups, list_shards, write_table
+from foundation.data.io import atomic_write_text, iter_valid_row_groups, list_shards, sha256_file, write_table
 from foundation.data.pipeline import RowBlock, build_batch, table_to_block
 from foundation.data.schema import SCHEMA_FILE, EventSchema
 from foundation.model.outputs import ModelOutput
-from foundation.train import RecModule, load_module, sha256_file
 from transfer.lineage import log_lineage_run
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-RUN_ID_FILE = "mlflow_run_id"
 ID_COLUMNS = ("example_id", "user_id", "item_id", "domain")
 
 
@@ -189,12 +188,6 @@ def infer_output_schema(out: ModelOutput) -> OutputSchema:
     return OutputSchema(tasks=tuple(sorted(out.logits)), user_repr_dim=dims["user_repr"], item_repr_dim=dims["item_repr"])
 
 
-def teacher_run_id(ckpt_path: Path) -> str | None:
-    """The MLflow run id that ``foundation.train.train`` leaves beside ``checkpoints/``, if any."""
-    path = ckpt_path.resolve().parent.parent / RUN_ID_FILE
-    return path.read_text().strip() if path.is_file() else None
-
-
 def _identity(manifest: dict) -> dict:
     """The manifest fields that must agree for a restarted run to reuse finished shards."""
     return {
@@ -234,8 +227,7 @@ def _remove_stale_temps(out_dir: Path) -> None:
 
 
 def build_manifest(
-    ckpt_path: Path,
-    module: RecModule,
+    teacher: TrainedModel,
     dataset_dir: Path,
     split: str,
     plans: list[ShardPlan],
@@ -251,11 +243,11 @@ def build_manifest(
         "format_version": FORMAT_VERSION,
         "complete": False,
         "teacher": {
-            "checkpoint": str(ckpt_path.resolve()),
-            "checkpoint_sha256": sha256_file(ckpt_path),
-            "mlflow_run_id": run_id or teacher_run_id(ckpt_path),
-            "arch": module.cfg.model.arch,
-            "flavor": module.cfg.name,
+            "checkpoint": str(teacher.path.resolve()),
+            "checkpoint_sha256": sha256_file(teacher.path),
+            "mlflow_run_id": run_id or checkpoint_run_id(teacher.path),
+            "arch": teacher.arch,
+            "flavor": teacher.flavor,
         },
         "source": {
             "dataset": str(dataset_dir),
@@ -265,7 +257,7 @@ def build_manifest(
         },
         "rows_per_shard": rows_per_shard,
         "batch_size": batch_size,
-        "max_len": module.cfg.data.max_len,
+        "max_len": teacher.max_len,
         "num_shards": len(plans),
         "schema": None,
         "rows": 0,
@@ -286,7 +278,7 @@ def compute_shard(
 
 
 def write_teacher_outputs(
-    ckpt_path: str | Path,
+    teacher: TrainedModel,
     dataset_dir: str | Path,
     split: str,
     out_dir: str | Path,
@@ -298,22 +290,22 @@ def write_teacher_outputs(
     tracking_uri: str | None = None,
     run_id: str | None = None,
 ) -> dict:
-    """Run the checkpoint's model once over ``split`` and write its outputs (resumable; see module doc).
+    """Run ``teacher``'s model once over ``split`` and write its outputs (resumable; see module doc).
 
-    ``batch_size`` and the history cap default to the checkpoint's data config. With ``tracking_uri``,
+    ``batch_size`` and the history cap default to the teacher's training data config. With ``tracking_uri``,
     the job is recorded as an MLflow run (:func:`log_outputs_run`). ``run_id`` names the teacher's MLflow run
     when it is not recorded beside the checkpoint (e.g. a teacher trained on another machine). Returns
     ``{"out_dir", "rows", "num_shards", "shards_written", "shards_reused", "rows_computed", "seconds",
     "rows_per_s", "manifest"}``; ``rows_per_s`` counts only rows computed by this call.
     """
-    ckpt_path, dataset_dir, out_dir = Path(ckpt_path), Path(dataset_dir).resolve(), Path(out_dir)
+    dataset_dir, out_dir = Path(dataset_dir).resolve(), Path(out_dir)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    module = load_module(ckpt_path).to(device)
-    batch_size = batch_size or module.cfg.data.batch_size
+    teacher.model.to(device)
+    batch_size = batch_size or teacher.batch_size
     plans = plan_shards(dataset_dir, split, rows_per_shard)
     if not plans:
         raise ValueError(f"{dataset_dir}: split {split!r} has no rows")
-    manifest = build_manifest(ckpt_path, module, dataset_dir, split, plans, rows_per_shard, batch_size, run_id)
+    manifest = build_manifest(teacher, dataset_dir, split, plans, rows_per_shard, batch_size, run_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out_dir)
     done = _reusable_shards(out_dir, manifest)
@@ -324,7 +316,7 @@ def write_teacher_outputs(
             if plan.index in done:
                 manifest["shards"].append(done[plan.index])
                 continue
-            table, schema = compute_shard(module.model, plan, reader, batch_size, module.cfg.data.max_len, device)
+            table, schema = compute_shard(teacher.model, plan, reader, batch_size, teacher.max_len, device)
             path = write_table(table, out_dir / plan.file_name)
             computed += table.num_rows
             manifest["schema"] = schema.to_dict()

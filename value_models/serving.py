@@ -1,7 +1,7 @@
 """Value-model scoring at serving time: ``score(user_id, candidate_ids, context) -> scores per task``.
 
 A trained :class:`value_models.student.StudentRanker` scores one user against ``N`` candidates. Its inputs
-come from one version of the embedding store (:mod:`transfer.export`), the serving-time feature source:
+come from one version of the embedding store (:mod:`transfer.store`), the serving-time feature source:
 
 - user side, from the user's latest row as of that version: multi-hot user features, the
   ``history_len`` most recent history items, dense features, and the teacher's ``user_repr``;
@@ -50,12 +50,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from foundation.data.pipeline import _gather_jagged
+from foundation.checkpoint import read_training_checkpoint
+from foundation.config import dataclass_from_dict
+from foundation.data.pipeline import gather_jagged
 from foundation.data.schema import TASKS
-from foundation.train import load_module
 from transfer.distill import AuxiliaryHeads
-from transfer.export import EmbeddingStore, StoreError, latest_version, open_store
-from value_models.student import ITEM_TABLE, StudentRanker
+from transfer.sharing import restore_shared_layout, sharing_config
+from transfer.store import EmbeddingStore, StoreError, latest_version, open_store
+from value_models.student import ITEM_TABLE, StudentConfig, StudentRanker
 
 CONTEXT_FIELDS = ("domain", "dense", "now")
 FORMS = ("eager", "inference_mode", "torchscript", "compile")
@@ -295,7 +297,7 @@ def _bag_inputs(
     """Jagged column ``prefix`` of ``rows`` (empty bags where not ``found``): ``(values[M], starts[len(rows)])``."""
     offsets = store.arrays[f"{prefix}_offsets"]
     lengths = np.where(found, offsets[rows + 1] - offsets[rows], 0)
-    _, values = _gather_jagged(offsets, store.arrays[f"{prefix}_values"], rows[found], None)
+    _, values = gather_jagged(offsets, store.arrays[f"{prefix}_values"], rows[found], None)
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     return torch.from_numpy(np.asarray(values, np.int64)), torch.from_numpy(starts)
 
@@ -503,11 +505,20 @@ def check_compatible(student: StudentRanker, store: EmbeddingStore) -> None:
 
 
 def load_student(ckpt_path: str | Path) -> StudentRanker:
-    """The :class:`StudentRanker` of a ``gem train`` checkpoint (``model.arch=student``), in eval mode."""
-    module = load_module(ckpt_path)
-    if not isinstance(module.model, StudentRanker):
-        raise BudgetError(f"{ckpt_path}: model.arch={module.cfg.model.arch!r} is not a student value model")
-    return module.model.eval()
+    """The :class:`StudentRanker` of a ``gem train`` checkpoint (``model.arch=student``), in eval mode.
+
+    Read without the training harness: a student that shares teacher tables gets its shared layout back
+    from the config it was trained with (:func:`transfer.sharing.restore_shared_layout`).
+    """
+    ckpt = read_training_checkpoint(ckpt_path)
+    if ckpt.arch != "student":
+        raise BudgetError(f"{ckpt_path}: model.arch={ckpt.arch!r} is not a student value model")
+    student = StudentRanker(dataclass_from_dict(StudentConfig, ckpt.config["model"]["student"]), ckpt.schema)
+    transfer = ckpt.config.get("transfer", {})
+    if transfer.get("share_from"):
+        restore_shared_layout(student, transfer["shared_dims"], sharing_config(transfer))
+    student.load_state_dict(ckpt.state)
+    return student.eval()
 
 
 # -- forms, equivalence and latency ---------------------------------------------------------------
@@ -569,6 +580,8 @@ def measure_latency(
     """p50/p95/p99 ms of :meth:`Scorer.score` (lookups included) for ``num_candidates`` on the current thread setting.
 
     Requests cycle through the store's users with fresh random candidates each; ``warmup`` requests first.
+    Wall-clock percentiles are what a caller sees; on a shared machine they include time the thread spent
+    descheduled, so ``cpu_p50_ms``/``cpu_p95_ms``/``cpu_p99_ms`` give the thread's CPU time as well.
     """
     rng = np.random.default_rng(seed)
     users = np.asarray(scorer.snapshot.store.side("user", "ids"))
@@ -580,22 +593,19 @@ def measure_latency(
         )
         for i in range(warmup + iters)
     ]
-    times = []
+    times, cpu_times = [], []
     for i, (user, candidates, context) in enumerate(requests):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         scorer.score(user, candidates, context)
         if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    p50, p95, p99 = np.percentile(times, [50, 95, 99])
-    return {
-        "candidates": num_candidates,
-        "p50_ms": float(p50),
-        "p95_ms": float(p95),
-        "p99_ms": float(p99),
-        "mean_ms": float(np.mean(times)),
-        "iters": iters,
-        "threads": torch.get_num_threads(),
-    }
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+            cpu_times.append((time.thread_time_ns() - c0) / 1e6)
+    stats = {"candidates": num_candidates, "mean_ms": float(np.mean(times)), "iters": iters,
+             "threads": torch.get_num_threads()}
+    for prefix, values in (("", times), ("cpu_", cpu_times)):
+        p50, p95, p99 = np.percentile(values, [50, 95, 99])
+        stats.update({f"{prefix}p50_ms": float(p50), f"{prefix}p95_ms": float(p95), f"{prefix}p99_ms": float(p99)})
+    return stats
 
 
 def check_budget(scorer: Scorer, *, iters: int = 300, warmup: int = 50) -> dict:

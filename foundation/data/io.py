@@ -11,6 +11,7 @@ Layout of a dataset directory::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -55,6 +56,15 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -109,10 +109,11 @@ def table_to_block(table: pa.Table, schema: EventSchema) -> RowBlock:
     )
 
 
-def _gather_jagged(
+def gather_jagged(
     offsets: np.ndarray, values: np.ndarray, rows: np.ndarray, keep_last: int | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Take ``rows`` of a jagged column, keeping at most the ``keep_last`` most recent values each.
+    """Take ``rows`` of a jagged column ``(offsets[n+1], values[N])``, keeping at most the ``keep_last`` most
+    recent values of each (all with ``None``).
 
     Returns ``(lengths[len(rows)], values[sum(lengths)])``.
     """
@@ -138,7 +139,7 @@ def build_batch(
 
     history, hist_lengths = {}, None
     for name in HISTORY_FIELDS:
-        parts = [_gather_jagged(*block.jagged[name], rows, max_len) for block, rows in pieces]
+        parts = [gather_jagged(*block.jagged[name], rows, max_len) for block, rows in pieces]
         hist_lengths = np.concatenate([p[0] for p in parts])
         history[name.removeprefix("history_")] = torch.from_numpy(
             np.concatenate([p[1] for p in parts]).astype(np.int64)
@@ -147,7 +148,7 @@ def build_batch(
 
     keys, kjt_lengths, kjt_values = [], [], []
     for f in schema.sparse:
-        parts = [_gather_jagged(*block.jagged[f.name], rows, None) for block, rows in pieces]
+        parts = [gather_jagged(*block.jagged[f.name], rows, None) for block, rows in pieces]
         keys.append(f.name)
         kjt_lengths.append(np.concatenate([p[0] for p in parts]))
         kjt_values.append(np.concatenate([p[1] for p in parts]))

@@ -104,10 +104,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import torch
 from tqdm.auto import tqdm
 
 from foundation.data.io import atomic_write_text, shard_path, write_table
 from foundation.data.schema import SCHEMA_FILE, EventSchema, SparseFeature
+from foundation.metrics import binary_metrics
 
 SPLITS = ("train", "valid", "test")
 STATS_FILE = "synth.json"
@@ -233,45 +235,6 @@ class SynthConfig:
             raise ValueError("SynthConfig: min_history must be <= history_limit")
         if self.window_days <= 0 or self.phase_days <= 0:
             raise ValueError("SynthConfig: window_days and phase_days must be positive")
-
-
-SYNTH_PRESETS: dict[str, SynthConfig] = {
-    # seconds: for tests and smoke runs
-    "debug": SynthConfig(
-        num_users=2_000,
-        num_items=1_000,
-        num_examples=40_000,
-        max_history=256,
-        rows_per_shard=8_192,
-        users_per_block=512,
-        num_topics=12,
-        num_advertisers=60,
-        history_median=80.0,
-        history_limit=20_000,
-    ),
-    # `make quickstart`: generation well under a minute on two CPU cores
-    "default": SynthConfig(),
-    # on demand, for GPU teachers: tens of millions of rows with histories up to 4096 events
-    "large": SynthConfig(
-        num_users=2_000_000,
-        num_items=500_000,
-        num_examples=20_000_000,
-        max_history=4_096,
-        rows_per_shard=16_384,
-        users_per_block=256,
-        num_topics=64,
-        num_advertisers=20_000,
-        window_days=28.0,
-        history_median=150.0,
-    ),
-}
-
-
-def synth_preset(name: str, **overrides) -> SynthConfig:
-    """A fresh copy of ``SYNTH_PRESETS[name]`` with ``overrides`` applied."""
-    if name not in SYNTH_PRESETS:
-        raise KeyError(f"unknown synthetic preset {name!r}; choose one of {sorted(SYNTH_PRESETS)}")
-    return dataclasses.replace(SYNTH_PRESETS[name], **overrides)
 
 
 def build_schema(cfg: SynthConfig) -> EventSchema:
@@ -855,30 +818,10 @@ class _ShardWriter:
         self.buffered = rest.num_rows
 
 
-def _auc(y: np.ndarray, p: np.ndarray) -> float:
-    """ROC AUC of scores ``p[n]`` for binary ``y[n]`` (Mann-Whitney, ties get average ranks)."""
-    y = y.astype(bool)
-    n_pos = int(y.sum())
-    n_neg = len(y) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(p, kind="mergesort")
-    sp = p[order]
-    starts = np.flatnonzero(np.r_[True, sp[1:] != sp[:-1]])
-    counts = np.diff(np.r_[starts, len(sp)])
-    ranks = np.repeat(starts + (counts + 1) / 2.0, counts)
-    return float((ranks[y[order]].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def _normalized_entropy(y: np.ndarray, p: np.ndarray) -> float:
-    """Log loss of ``p[n]`` on ``y[n]`` divided by the entropy of the base rate ``mean(y)``."""
-    y = y.astype(np.float64)
-    p = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
-    base = float(y.mean()) if len(y) else 0.0
-    if base in (0.0, 1.0):
-        return float("nan")
-    loss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
-    return float(loss / -(base * math.log(base) + (1 - base) * math.log(1 - base)))
+def _oracle_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
+    """NE and AUC of the true probabilities ``probs[n]`` on ``labels[n]``."""
+    metrics = binary_metrics(torch.from_numpy(probs), torch.from_numpy(labels.astype(np.float64)))
+    return {"ne": metrics["ne"], "auc": metrics["auc"]}
 
 
 def _percentiles(counts: np.ndarray) -> dict[str, float]:
@@ -958,14 +901,8 @@ class _Stats:
             "true_history_len": _percentiles(self.true_history_len),
             "topic_drift_tv_train_test": float(0.5 * np.abs(mix[0] - mix[2]).sum()),
             "oracle_test": {
-                "click": {
-                    "ne": _normalized_entropy(test["click"], test["p_click"]),
-                    "auc": _auc(test["click"], test["p_click"]),
-                },
-                "conversion": {
-                    "ne": _normalized_entropy(test["conversion"][tracked], test["p_conversion"][tracked]),
-                    "auc": _auc(test["conversion"][tracked], test["p_conversion"][tracked]),
-                },
+                "click": _oracle_metrics(test["click"], test["p_click"]),
+                "conversion": _oracle_metrics(test["conversion"][tracked], test["p_conversion"][tracked]),
             },
         }
 

@@ -11,7 +11,7 @@ vectors meet in a pairwise dot-product interaction, then a top MLP feeds one log
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,10 +21,19 @@ from foundation.data.batch import JaggedBatch
 from foundation.data.schema import TASKS, EventSchema
 from foundation.model.outputs import ModelOutput, multitask_bce
 
-if TYPE_CHECKING:  # the config module imports the student, which imports build_mlp from here
-    from foundation.config import DLRMConfig
-
 HISTORY_KEYS = ("history_items", "history_clicks")
+ITEM_TABLE = "t_item_id"
+
+
+@dataclass
+class DLRMConfig:
+    """DLRM-style baseline: pooled embeddings, dot interaction, MLP, per-domain task heads."""
+
+    embedding_dim: int = 32
+    bottom_mlp: tuple[int, ...] = (64, 32)
+    top_mlp: tuple[int, ...] = (256, 128)
+    use_history: bool = True
+    repr_dim: int = 64
 
 
 def build_mlp(sizes: list[int], *, last_activation: bool = True) -> nn.Sequential:
@@ -73,7 +82,7 @@ class DLRMBaseline(nn.Module):
         self.item_ebc = EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(
-                    name="t_item_id",
+                    name=ITEM_TABLE,
                     embedding_dim=d,
                     num_embeddings=schema.num_items,
                     feature_names=item_features,

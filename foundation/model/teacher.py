@@ -42,9 +42,9 @@ from foundation.model.interaction import build_interaction_block, build_interact
 from foundation.model.interformer import PersonalizedFFN, SequenceSummary
 from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
 from foundation.model.outputs import ModelOutput, multitask_bce
-from foundation.model.teacher_config import TEACHER_FLAVORS, TeacherConfig, teacher_flavor
+from foundation.model.teacher_config import TeacherConfig
 
-__all__ = ["TEACHER_FLAVORS", "GEMTeacher", "TeacherConfig", "build_teacher", "teacher_flavor"]
+__all__ = ["GEMTeacher", "TeacherConfig", "build_teacher"]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``TeacherConfig``: the typed configuration of the GEM teacher, and its named flavors.
+"""``TeacherConfig``: the typed configuration of the GEM teacher (its named flavors are in ``gem.flavors``).
 
 This module imports no torch so that config tooling (flavor registry, CLI overrides) stays light.
 Every field is an ``int``, ``float``, ``bool``, ``str``, ``tuple`` or ``dict`` so that dotted CLI
@@ -7,7 +7,6 @@ overrides (``model.teacher.num_layers=4``) can parse it.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -163,115 +162,3 @@ class TeacherConfig:
 
     def replace(self, **changes) -> TeacherConfig:
         return dataclasses.replace(self, **changes)
-
-
-def _ml1m(num_layers: int, num_heads: int) -> TeacherConfig:
-    """HSTU's published ML-1M setup: item ids only, relative position+time bias, d=50, dropout 0.2,
-    sampled softmax with 128 uniform negatives at temperature 0.05 on L2-normalised embeddings."""
-    return TeacherConfig(
-        d_model=50,
-        item_dim=50,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        attn_dim=50 // num_heads,
-        value_dim=50 // num_heads,
-        max_len=200,
-        time_buckets=128,
-        dropout=0.2,
-        abs_pos_emb=True,
-        history_features=(),
-        interleave=False,
-        num_cls=0,
-        num_pma_seeds=0,
-        num_recent=0,
-        target_aware=False,
-        num_negatives=128,
-        in_batch_negatives=False,
-        temperature=0.05,
-        # HSTU's reference implementation does not scale QKᵀ.
-        attn_alpha=1.0,
-    )
-
-
-def _debug() -> TeacherConfig:
-    """Seconds on a CPU: every block present, tiny widths."""
-    return TeacherConfig(
-        d_model=32,
-        item_dim=32,
-        num_layers=2,
-        num_heads=2,
-        attn_dim=16,
-        value_dim=16,
-        max_len=64,
-        time_buckets=32,
-        num_cls=2,
-        num_pma_seeds=2,
-        num_recent=4,
-        pffn_hidden=64,
-        interaction_tokens=6,
-        num_final_interaction_blocks=1,
-        wukong_rank=4,
-        wukong_hidden=64,
-        dcn_rank=16,
-        expert_hidden=64,
-        expert_dim=32,
-        repr_dim=32,
-        num_negatives=32,
-        generative=True,
-    )
-
-
-TEACHER_FLAVORS: dict[str, TeacherConfig] = {
-    # `debug` and `large` train the generative next-item objective beside click/conversion, which makes
-    # score_items meaningful on ctr data; on the default world it cost click NE (docs/benchmarks.md,
-    # "Teacher against the DLRM baseline"), so `small`, the measured ranking recipe, leaves it off.
-    "debug": _debug(),
-    # The ctr recipe measured to beat the DLRM on the default world (docs/benchmarks.md, "What made the
-    # teacher win"): the `debug` widths, HSTU without InterFormer interleaving, and no CLS or K-most-recent summary
-    # tokens (the per-user detail they carry is what a ranker memorises within one epoch); the
-    # candidate attends to the history, PMA seeds and the pooled-history tokens summarise it, and the
-    # generative loss is off (it cost click NE on this data). At d=128 with every summary token the
-    # same model memorised within one epoch and lost to the DLRM by .04 NE. 64 events is what was
-    # measured (it beat 32, and the DLRM at 256); longer histories need the GPU's kernels to train fast.
-    "small": _debug().replace(interleave=False, num_cls=0, num_recent=0, generative=False),
-    # Sized for one H200 with long sequences (pair with a token budget of ~16k tokens per batch: at
-    # 32k the generative loss's per-position negatives alone take ~8 GiB; see docs/benchmarks.md):
-    # ~85M parameters in the HSTU blocks and ~410M dense parameters in all; the sequence arch
-    # (blocks, PFFN, PMA, attention) takes almost all the FLOPs.
-    "large": TeacherConfig(
-        d_model=1024,
-        item_dim=256,
-        num_layers=16,
-        num_heads=8,
-        attn_dim=128,
-        value_dim=128,
-        max_len=4096,
-        time_buckets=128,
-        num_cls=4,
-        num_pma_seeds=8,
-        num_recent=16,
-        pffn_hidden=1024,
-        pffn_summary_dim=32,
-        interaction_tokens=16,
-        num_final_interaction_blocks=3,
-        wukong_rank=16,
-        wukong_hidden=512,
-        dcn_rank=32,
-        expert_hidden=512,
-        expert_dim=256,
-        num_shared_experts=4,
-        num_domain_experts=2,
-        repr_dim=256,
-        num_negatives=512,
-        generative=True,
-    ),
-    "ml1m_hstu": _ml1m(num_layers=2, num_heads=1),
-    "ml1m_hstu_large": _ml1m(num_layers=8, num_heads=2),
-}
-
-
-def teacher_flavor(name: str) -> TeacherConfig:
-    """A fresh copy of a named flavor (callers may mutate it)."""
-    if name not in TEACHER_FLAVORS:
-        raise KeyError(f"unknown teacher flavor {name!r}; known: {sorted(TEACHER_FLAVORS)}")
-    return copy.deepcopy(TEACHER_FLAVORS[name])

@@ -11,14 +11,15 @@ It is Lightning's ``ModelParallelStrategy`` with the parallelism of :mod:`founda
   embedding tables (their fused sparse optimizer runs in backward).
 - **data**: with ``parallel.balance`` every data-parallel rank reads the same global batch and keeps
   the rows :func:`~foundation.parallel.balance.rank_share` gives it (even attention work); its
-  per-rank mean loss is weighted so that the gradient reduction yields the global batch's row mean.
+  per-rank mean loss is weighted (:attr:`GemParallelStrategy.loss_weight`, read by the module's training
+  step) so that the gradient reduction yields the global batch's row mean.
   Without it each rank reads its own row groups (``EventStream`` rank/world = dp rank/degree).
   ``parallel/imbalance`` (heaviest rank / mean work) and ``train/global_loss`` are logged per step.
 - **checkpoints**: ``X.ckpt`` becomes DCP step directories under ``X.dcp/`` (sharded tables, fused
   and dense optimizer state, plus Lightning's loops, callbacks, data position and RNG in
   ``extra.pt``), which reshard on load at another world size; :meth:`export_single_file_checkpoint`
   writes a plain single-file Lightning checkpoint (whole tensors) that ``gem eval`` and the transfer
-  stage read through :func:`foundation.train.load_module`.
+  stage read through :func:`gem.module.load_module`.
 - **MLflow**: only rank 0 has a run, tagged with the resolved degrees (``gem.parallel.dp_shard``, ...);
   the other nodes' local rank 0 log system metrics into it under their own ``node_id``.
 """
@@ -42,7 +43,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.tensor import DTensor
 
-from foundation.config import ConfigError, ParallelSettings
+from foundation.config import ConfigError
 from foundation.data.batch import JaggedBatch
 from foundation.data.io import atomic_path
 from foundation.parallel.balance import BalanceConfig, rank_share, row_work, take_rows
@@ -59,6 +60,7 @@ from foundation.parallel.dims import ParallelDims
 from foundation.parallel.embeddings import EmbeddingShardingConfig
 from foundation.parallel.fsdp import FSDPConfig
 from foundation.parallel.parallelize import ParallelConfig, dense_parameters, parallelize_teacher
+from foundation.parallel.settings import ParallelSettings
 from foundation.parallel.state import gather_full_state_dict
 
 DCP_SUFFIX = ".dcp"
@@ -306,16 +308,17 @@ class GemParallelStrategy(ModelParallelStrategy):
             share = rank_share(batch.lengths, self.dims.dp, self.dims.dp_rank(), self.balance)
             self.loss_weight, self.imbalance = share.loss_weight, share.imbalance
             batch = take_rows(batch, share.rows)
-            self.count_rank_flops(batch)
+            self.count_rank_work(batch)
             return batch
         self.loss_weight, self.imbalance = self.weigh_own_batch(batch)
         return batch
 
-    def count_rank_flops(self, batch: JaggedBatch) -> None:
-        """``RecModule`` counted the global batch's FLOPs before the split; its perf/* figures are per rank."""
-        module = self.lightning_module
-        if hasattr(module, "step_flops") and hasattr(module.model, "flops"):
-            module.step_flops = module.model.flops(batch, training=True)
+    def count_rank_work(self, batch: JaggedBatch) -> None:
+        """``RecModule`` counted the global batch's tokens and FLOPs before the split; its perf/* figures are per rank."""
+        throughput = getattr(self.lightning_module, "throughput", None)
+        if throughput is not None:
+            throughput.reset()
+            throughput.count(batch)
 
     def weigh_own_batch(self, batch: JaggedBatch) -> tuple[float, float]:
         """``(loss weight, imbalance)`` of a batch this rank read itself: rows and work gathered over dp ranks."""
@@ -327,11 +330,10 @@ class GemParallelStrategy(ModelParallelStrategy):
         return self.dims.dp * batch.batch_size / float(rows.sum()), imbalance
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's step, which trains on its loss times :attr:`loss_weight` and returns that weighted loss."""
         output = super().training_step(*args, **kwargs)
-        loss = output["loss"] if isinstance(output, Mapping) else output
-        weighted = loss * self.loss_weight
-        self.log_global_loss(weighted)
-        return {**output, "loss": weighted} if isinstance(output, Mapping) else weighted
+        self.log_global_loss(output["loss"] if isinstance(output, Mapping) else output)
+        return output
 
     def log_global_loss(self, weighted: torch.Tensor) -> None:
         """Log the global batch's loss (mean of the weighted per-rank losses) and this step's imbalance."""
@@ -386,7 +388,7 @@ class GemParallelStrategy(ModelParallelStrategy):
     def export_single_file_checkpoint(self, path: str | Path) -> None:
         """Collective: whole tensors to one Lightning-format file (``hyper_parameters`` + ``state_dict``), atomically.
 
-        ``foundation.train.load_module`` loads it into a plain single-device ``RecModule``.
+        ``gem.module.load_module`` loads it into a plain single-device ``RecModule``.
         """
         module = self.lightning_module
         full = gather_full_state_dict(module.model)

@@ -31,9 +31,8 @@ import numpy as np
 import torch
 from mlflow.exceptions import MlflowException
 
-from foundation.data.io import atomic_write_text
-from foundation.train import sha256_file
-from transfer.export import LATEST_FILE, open_store, version_name
+from foundation.data.io import atomic_write_text, sha256_file
+from transfer.store import LATEST_FILE, open_store, version_name
 from value_models.serving import (
     CONTEXT_FIELDS,
     LatencyBudget,

@@ -31,7 +31,8 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 
 def cmd_data_synth(args: argparse.Namespace) -> None:
-    from foundation.data.synthetic import SYNTH_PRESETS, generate_world, synth_preset
+    from foundation.data.synthetic import generate_world
+    from gem.flavors import SYNTH_PRESETS, synth_preset
 
     if args.preset not in SYNTH_PRESETS:
         raise CLIError(f"unknown synth preset {args.preset!r}; known: {sorted(SYNTH_PRESETS)}")
@@ -54,13 +55,13 @@ def cmd_data_convert(args: argparse.Namespace) -> None:
 
 
 def load_flavor(name: str, overrides: list[str]):
-    from experiments.flavors import get_flavor
+    from gem.flavors import get_flavor
 
     return apply_overrides(get_flavor(name), overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from foundation.train import train
+    from gem.train import train
 
     cfg = load_flavor(args.flavor, args.overrides)
     if not Path(cfg.data.path, "schema.json").is_file():
@@ -74,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from foundation.train import evaluate
+    from gem.evaluate import evaluate
 
     if not Path(args.ckpt).is_file():
         raise CLIError(f"checkpoint not found: {args.ckpt}")
@@ -84,21 +85,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_teacher_outputs(args: argparse.Namespace) -> None:
-    from foundation.train import load_module, tracking_uri
+    from gem.module import load_trained
+    from gem.train import tracking_uri
     from transfer.teacher_outputs import write_teacher_outputs
 
     if not Path(args.ckpt).is_file():
         raise CLIError(f"checkpoint not found: {args.ckpt}")
-    data = args.data or load_module(args.ckpt).cfg.data.path
+    teacher = load_trained(args.ckpt)
     stats = write_teacher_outputs(
-        args.ckpt, data, args.split, args.out, rows_per_shard=args.rows_per_shard, tracking_uri=tracking_uri()
+        teacher, args.data or teacher.config["data"]["path"], args.split, args.out, rows_per_shard=args.rows_per_shard, tracking_uri=tracking_uri()
     )
     print(json.dumps({k: v for k, v in stats.items() if k != "manifest"}, indent=2, default=str))
     _write_json(args.json, stats)
 
 
 def cmd_transfer_report(args: argparse.Namespace) -> None:
-    from transfer.report import ReportConfig, run_transfer_report
+    from gem.report import ReportConfig, run_transfer_report
 
     if not Path(args.ckpt).is_file():
         raise CLIError(f"checkpoint not found: {args.ckpt}")
@@ -126,7 +128,7 @@ def cmd_transfer_report(args: argparse.Namespace) -> None:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:
-    from transfer.pipeline import PipelineConfig, PipelineError, run_pipeline
+    from gem.pipeline import PipelineConfig, PipelineError, run_pipeline
     from transfer.sharing import SharingError
     from transfer.teacher_outputs import TeacherOutputsError
 
@@ -160,16 +162,18 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from foundation.train import load_module, tracking_uri
-    from transfer.export import StoreError, export_embeddings
+    from gem.module import load_trained
+    from gem.train import tracking_uri
+    from transfer.export import export_embeddings
+    from transfer.store import StoreError
 
     if not Path(args.ckpt).is_file():
         raise CLIError(f"checkpoint not found: {args.ckpt}")
-    data = args.data or load_module(args.ckpt).cfg.data.path
+    teacher = load_trained(args.ckpt)
     try:
         report = export_embeddings(
-            args.ckpt,
-            data,
+            teacher,
+            args.data or teacher.config["data"]["path"],
             args.store,
             splits=tuple(s.strip() for s in args.splits.split(",") if s.strip()),
             since=args.since,
@@ -185,7 +189,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_retrieve(args: argparse.Namespace) -> None:
-    from transfer.export import StoreError, open_store
+    from transfer.store import StoreError, open_store
 
     try:
         store = open_store(args.store, args.version)
@@ -214,22 +218,43 @@ def add_bench_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the table as JSON here")
 
 
-def cmd_bench_serving(args: argparse.Namespace) -> None:
-    from experiments.bench_serving import main_from_args
+def bench_serving(args: argparse.Namespace) -> dict:
+    """Run :func:`value_models.bench.run_bench` with :func:`add_bench_serving_arguments`' values, print its
+    table, and write it as JSON with ``--json``; unknown forms raise ``ValueError``."""
+    from value_models.bench import TARGET_P99_MS, format_table, run_bench
+    from value_models.serving import FORMS
 
+    forms = tuple(f.strip() for f in args.forms.split(",") if f.strip()) or FORMS
+    if unknown := sorted(set(forms) - set(FORMS)):
+        raise ValueError(f"unknown serving forms {unknown}; choose from {list(FORMS)}")
+    result = run_bench(
+        args.ckpt,
+        args.store,
+        candidates=tuple(int(c) for c in args.candidates.split(",")),
+        forms=forms,
+        iters=args.iters,
+        warmup=args.warmup,
+    )
+    print(format_table(result))
+    print(f"serve: {result['serve']}; p99 <= {TARGET_P99_MS} ms at 256 candidates: {result['meets_target']}")
+    _write_json(args.json, result)
+    return result
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> None:
     for path in (args.ckpt, args.store):
         if not Path(path).exists():
             raise CLIError(f"not found: {path}")
     try:
-        main_from_args(args)
+        bench_serving(args)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
 
 
 def cmd_package(args: argparse.Namespace) -> None:
-    from foundation.train import tracking_uri
-    from transfer.export import StoreError
-    from value_models.packaging import register_value_model
+    from gem.packaging import register_value_model
+    from gem.train import tracking_uri
+    from transfer.store import StoreError
     from value_models.serving import BudgetError, LatencyBudget, ServingConfig
 
     if not Path(args.ckpt).is_file():
@@ -247,7 +272,7 @@ def cmd_package(args: argparse.Namespace) -> None:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
-    from experiments.quickstart import run_quickstart
+    from gem.quickstart import run_quickstart
 
     report = run_quickstart(preset=args.preset, flavor=args.flavor, overrides=args.overrides)
     _write_json(args.json, report)

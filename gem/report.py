@@ -4,9 +4,9 @@
 
 1. teacher outputs for the students' train, validation and test splits, under ``DIR/teacher_outputs/<split>``
    (:func:`transfer.teacher_outputs.write_teacher_outputs`; finished shards are reused on a rerun);
-2. one student per method (:data:`experiments.flavors.STUDENT_METHODS`) and seed, trained through the
-   harness (:func:`foundation.train.train`) with ``transfer.teacher_outputs`` pointing at those outputs
-   and, for :data:`experiments.flavors.SHARING_METHODS`, ``transfer.share_from`` at the teacher checkpoint;
+2. one student per method (:data:`gem.flavors.STUDENT_METHODS`) and seed, trained through the
+   harness (:func:`gem.train.train`) with ``transfer.teacher_outputs`` pointing at those outputs
+   and, for :data:`gem.flavors.SHARING_METHODS`, ``transfer.share_from`` at the teacher checkpoint;
    ``alone`` gets none: it is the no-transfer baseline;
 3. NE and AUC per task, overall and per domain, on the test split, for the teacher and every student;
 4. per method and seed, the transfer ratio of each NE (DESIGN.md), against ``alone`` of the same seed::
@@ -38,17 +38,20 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.flavors import (
+from foundation.config import apply_overrides
+from foundation.data.io import atomic_write_text, sha256_file
+from foundation.data.schema import TASKS
+from gem.config import ExperimentConfig
+from gem.evaluate import evaluate
+from gem.flavors import (
     SHARING_METHODS,
     STUDENT_METHODS,
     get_flavor,
     repr_overrides,
     sharing_overrides,
 )
-from foundation.config import ExperimentConfig, apply_overrides
-from foundation.data.io import atomic_write_text
-from foundation.data.schema import TASKS
-from foundation.train import evaluate, load_module, sha256_file, tracking_uri, train
+from gem.module import load_module, load_trained
+from gem.train import tracking_uri, train
 from transfer.lineage import log_lineage_run
 from transfer.sharing import POLICIES
 from transfer.teacher_outputs import OutputSchema, write_teacher_outputs
@@ -136,10 +139,11 @@ def write_split_outputs(cfg: ReportConfig, data_path: str, splits: tuple[str, ..
     All splits come from the same checkpoint, so any one manifest gives the teacher and the output schema.
     """
     dirs, manifest = {}, {}
+    teacher = load_trained(cfg.teacher_ckpt)
     for split in splits:
         out = Path(cfg.out_dir) / "teacher_outputs" / split
         stats = write_teacher_outputs(
-            cfg.teacher_ckpt, data_path, split, out, rows_per_shard=cfg.rows_per_shard, progress=False,
+            teacher, data_path, split, out, rows_per_shard=cfg.rows_per_shard, progress=False,
             tracking_uri=uri, run_id=cfg.teacher_run_id or None,
         )
         dirs[split], manifest = str(out), stats["manifest"]

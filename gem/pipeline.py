@@ -3,13 +3,13 @@
 ``gem pipeline --preset debug --out outputs/pipeline-debug`` runs, on one CPU machine:
 
 1. **data**: the synthetic ads world ``preset`` at ``data_path`` (default ``data/synth-<preset>``);
-2. **teacher**: the preset's GEM teacher flavor (:data:`PRESET_FLAVORS`), trained under ``OUT/runs``, or
+2. **teacher**: the preset's GEM teacher flavor (:data:`gem.flavors.PRESET_FLAVORS`), trained under ``OUT/runs``, or
    an existing checkpoint (``teacher_ckpt``, e.g. one trained on a GPU, with its MLflow ``teacher_run_id``);
-3. **report**: :func:`transfer.report.run_transfer_report` (teacher outputs, every transfer method's
+3. **report**: :func:`gem.report.run_transfer_report` (teacher outputs, every transfer method's
    students over ``seeds`` seeds, NE/AUC/TR) under ``OUT/report``.
 
 By default the students train on ``valid``, the window after the teacher's ``train`` (staleness: the
-world drifts, so the teacher's labels are stale there; see :mod:`transfer.report`).
+world drifts, so the teacher's labels are stale there; see :mod:`gem.report`).
 
 Resume: a rerun skips every stage whose output exists and verifies, and finishes the others.
 
@@ -30,21 +30,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.flavors import STUDENT_METHODS, get_flavor
+from foundation.checkpoint import checkpoint_run_id
 from foundation.config import apply_overrides
-from foundation.data.io import atomic_write_text
+from foundation.data.io import atomic_write_text, sha256_file
 from foundation.data.schema import SCHEMA_FILE
-from foundation.data.synthetic import STATS_FILE, SYNTH_PRESETS, generate_world, synth_preset
-from foundation.train import load_module, sha256_file, train
-from transfer.report import REPORT_JSON, ReportConfig, run_transfer_report
-from transfer.teacher_outputs import teacher_run_id
+from foundation.data.synthetic import STATS_FILE, generate_world
+from gem.flavors import PRESET_FLAVORS, STUDENT_METHODS, SYNTH_PRESETS, get_flavor, synth_preset
+from gem.module import load_module
+from gem.report import REPORT_JSON, ReportConfig, run_transfer_report
+from gem.train import train
 
 STATE_FILE = "pipeline.json"
-# Synthetic preset -> (teacher flavor, student flavor) trained on it.
-PRESET_FLAVORS: dict[str, tuple[str, str]] = {
-    "debug": ("teacher-debug", "student-debug"),
-    "default": ("teacher-small", "student-default"),
-}
 
 
 class PipelineError(ValueError):
@@ -124,7 +120,7 @@ def ensure_teacher(cfg: PipelineConfig, data_path: str, out_dir: Path, state: di
         if not ckpt.is_file():
             raise FileNotFoundError(f"{ckpt}: teacher checkpoint not found")
         load_module(ckpt)  # a gem training checkpoint, readable, with its config: fail here, not in a later stage
-        run_id = cfg.teacher_run_id or teacher_run_id(ckpt) or ""
+        run_id = cfg.teacher_run_id or checkpoint_run_id(ckpt) or ""
         sha = sha256_file(ckpt)
         return {"checkpoint": str(ckpt.resolve()), "checkpoint_sha256": sha, "run_id": run_id, "trained": False}
     recorded = state.get("teacher")

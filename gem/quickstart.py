@@ -13,17 +13,19 @@ from typing import Any
 
 import mlflow
 
-from experiments.flavors import get_flavor
-from foundation.config import ExperimentConfig, apply_overrides
+from foundation.config import apply_overrides
 from foundation.data.schema import TASKS, EventSchema
-from foundation.train import evaluate, tracking_uri, train
+from gem.config import ExperimentConfig
+from gem.evaluate import evaluate
+from gem.flavors import get_flavor, synth_preset
+from gem.train import tracking_uri, train
 
 
 def ensure_dataset(preset: str, path: str) -> dict[str, Any] | None:
     """Generate the synthetic world at ``path`` unless a complete dataset is already there."""
     if Path(path, "schema.json").is_file():
         return None
-    from foundation.data.synthetic import generate_world, synth_preset
+    from foundation.data.synthetic import generate_world
 
     return generate_world(synth_preset(preset), path, progress=True)
 

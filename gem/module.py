@@ -1,0 +1,225 @@
+"""``RecModule``: the LightningModule that trains, validates and reloads any registered model.
+
+Its training step is :func:`gem.loop.train_step` (the step the plain GPU loop runs too), with Lightning's
+backward (precision plugin) and gradient clipping (the strategy's, for sharded gradients); Lightning
+keeps the loop, checkpoints, logging and resume.
+
+Students learn from a teacher through ``cfg.transfer``: the module reads each split's teacher outputs
+once, verified, and passes a model whose ``forward`` takes ``teacher=`` the batch's rows
+(:meth:`RecModule.forward_batch`); with ``transfer.share_from`` it starts the student from the teacher's
+parameters (:mod:`transfer.sharing`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+from foundation.checkpoint import TrainedModel, read_training_checkpoint
+from foundation.data.batch import JaggedBatch
+from foundation.data.pipeline import valid_item_mask
+from foundation.data.schema import EventSchema
+from foundation.metrics import PredictionLog, RankingMetrics
+from foundation.model.outputs import ModelOutput
+from gem.config import experiment_from_dict
+from gem.loop import Throughput, train_step
+from gem.registry import ITEM_TABLES, build_model
+from transfer.sharing import (
+    SharingResult,
+    build_param_groups,
+    restore_shared_layout,
+    share_from_checkpoint,
+    sharing_config,
+)
+from transfer.teacher_outputs import TeacherOutputs, read_teacher_outputs
+
+
+class RecModule(L.LightningModule):
+    """Trains any registered model on ``JaggedBatch`` es.
+
+    Logs the loss, tokens/s (and TFLOP/s and MFU for models with a FLOP counter, on a GPU whose
+    peak is known), and at validation NE/AUC/calibration per task and domain (``ctr``) or
+    HR@K/NDCG@K with full ranking (``next_item``).
+    """
+
+    def __init__(self, config: dict[str, Any], schema: dict[str, Any], from_checkpoint: bool = False) -> None:
+        super().__init__()
+        # Kept in checkpoints for load_module; train() logs the config to MLflow itself, once per run
+        # (Lightning would re-log it on every resume, and MLflow refuses a changed param value).
+        self.save_hyperparameters(ignore=["from_checkpoint"], logger=False)
+        # The step is gem.loop.train_step, run here with Lightning's backward and clipping.
+        self.automatic_optimization = False
+        self.cfg = experiment_from_dict(config)
+        self.schema = EventSchema(**schema)
+        self.model = build_model(self.cfg.model, self.schema)
+        self.sharing = self.build_sharing(from_checkpoint)
+        self.val_log = PredictionLog()
+        self.val_ranking = RankingMetrics()
+        self.valid_items: torch.Tensor | None = None
+        self.throughput: Throughput | None = None
+        self.takes_teacher = "teacher" in inspect.signature(self.model.forward).parameters
+        if self.cfg.transfer.teacher_outputs and not self.takes_teacher:
+            raise ValueError(
+                f"transfer.teacher_outputs is set, but model.arch={self.cfg.model.arch!r} takes no teacher outputs"
+            )
+        self._teacher_outputs: dict[str, TeacherOutputs] = {}
+
+    def build_sharing(self, from_checkpoint: bool) -> SharingResult | None:
+        """Teacher parameters in the model when ``transfer.share_from`` is set (:mod:`transfer.sharing`).
+
+        A new module copies them from the teacher checkpoint and records their dims in the saved config
+        (``transfer.shared_dims``); a module loaded ``from_checkpoint`` rebuilds that layout without the teacher.
+        """
+        transfer = self.cfg.transfer
+        if not transfer.share_from:
+            return None
+        cfg = sharing_config(dataclasses.asdict(transfer))
+        if from_checkpoint:
+            return restore_shared_layout(self.model, transfer.shared_dims, cfg)
+        result = share_from_checkpoint(
+            self.model,
+            transfer.share_from,
+            cfg,
+            student_arch=self.cfg.model.arch,
+            item_tables=ITEM_TABLES,
+            expected_sha256=transfer.checkpoint_sha256,
+        )
+        transfer.shared_dims = result.table_dims
+        self.hparams["config"] = self.cfg.to_dict()
+        return result
+
+    def teacher_outputs(self, split: str) -> TeacherOutputs | None:
+        """The verified teacher outputs configured for ``split`` (read once, then cached), or None.
+
+        All splits must come from one teacher checkpoint (``transfer.checkpoint_sha256`` when set,
+        else the one of the first split read); a mismatch raises the reader's error.
+        """
+        path = self.cfg.transfer.teacher_outputs.get(split)
+        if path is None:
+            return None
+        if split not in self._teacher_outputs:
+            first = next(iter(self._teacher_outputs.values()), None)
+            expected = self.cfg.transfer.checkpoint_sha256 or (first.manifest["teacher"]["checkpoint_sha256"] if first else None)
+            self._teacher_outputs[split] = read_teacher_outputs(path, checkpoint_sha256=expected)
+        return self._teacher_outputs[split]
+
+    def forward_batch(self, batch: JaggedBatch, split: str) -> ModelOutput:
+        """The model's output on a batch of ``split``, given ``teacher=`` that split's rows when it takes them.
+
+        The teacher rows (``{task}_logit [B]``, ``user_repr [B, d]``, ...) are on the batch's device; an
+        example id without teacher outputs raises :class:`transfer.teacher_outputs.TeacherOutputsError`.
+        """
+        outputs = self.teacher_outputs(split)
+        if outputs is None:
+            return self.model(batch)
+        device = batch.candidate.device
+        teacher = {k: v.to(device, non_blocking=True) for k, v in outputs.take(batch.example_id).items()}
+        return self.model(batch, teacher=teacher)
+
+    def setup(self, stage: str) -> None:
+        if self.schema.task == "next_item":
+            self.valid_items = valid_item_mask(self.cfg.data.path, self.schema.num_items)
+
+    def on_before_batch_transfer(self, batch: JaggedBatch, dataloader_idx: int) -> JaggedBatch:
+        if self.training:
+            if self.throughput is None:
+                self.throughput = Throughput(self.model, self.device, self.cfg.train.precision)
+            self.throughput.reset()
+            self.throughput.count(batch)
+        return batch
+
+    def transfer_batch_to_device(self, batch: JaggedBatch, device: torch.device, dataloader_idx: int) -> JaggedBatch:
+        return batch.to(device, non_blocking=True)
+
+    def on_train_batch_start(self, batch: JaggedBatch, batch_idx: int) -> None:
+        self.throughput.start_clock()
+
+    def training_step(self, batch: JaggedBatch, batch_idx: int) -> torch.Tensor:
+        """:func:`gem.loop.train_step`; the loss is weighted by the strategy's share of a global batch
+        (``loss_weight``, 1 on one device). Returns the weighted loss, detached."""
+        optimizer = self.optimizers()
+        weight = getattr(self.trainer.strategy, "loss_weight", 1.0)
+        losses = train_step(
+            self.model,
+            batch,
+            optimizer,
+            grad_clip=self.cfg.train.grad_clip,
+            loss_weight=weight,
+            forward=lambda b: self.forward_batch(b, self.cfg.data.train_split),
+            backward=self.manual_backward,
+            clip=lambda max_norm: self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm"),
+        )
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and batch.position is not None:
+            datamodule.record(batch.position)
+        for name, value in losses.items():
+            self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=batch.batch_size)
+        return losses["loss"].detach() * weight
+
+    def on_train_batch_end(self, outputs: Any, batch: JaggedBatch, batch_idx: int) -> None:
+        if (self.global_step % self.cfg.train.log_every_n_steps) != 0:
+            return
+        perf = self.throughput.metrics()
+        self.log_dict({f"perf/{k}": v for k, v in perf.items()}, batch_size=batch.batch_size)
+
+    def validation_step(self, batch: JaggedBatch, batch_idx: int) -> None:
+        out = self.forward_batch(batch, self.cfg.data.eval_split)
+        losses = self.model.loss(batch, out)
+        self.log("val/loss", losses["loss"], prog_bar=True, batch_size=batch.batch_size)
+        if self.schema.task == "next_item":
+            rank_batch(self.model, batch, self.val_ranking, self.valid_items)
+        else:
+            self.val_log.add(batch, out.logits)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.val_log.metrics(self.schema.num_domains, prefix="val/")
+        if self.schema.task == "next_item":
+            metrics = {f"val/{k}": v for k, v in self.val_ranking.compute().items()}
+        self.val_log, self.val_ranking = PredictionLog(), RankingMetrics()
+        if not self.trainer.sanity_checking:
+            self.log_dict({k: v for k, v in metrics.items() if np.isfinite(v)}, batch_size=1)
+
+    def on_train_epoch_start(self) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            datamodule.start_epoch(self.current_epoch)
+
+    def configure_optimizers(self):
+        params = self.parameters()
+        if self.sharing is not None:
+            # Shared teacher parameters train by the sharing policy: frozen, or in a lower-lr group.
+            params = build_param_groups(self.model, self.sharing, self.cfg.train.lr)
+        return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_state"] = torch.get_rng_state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "rng_state" in checkpoint:
+            torch.set_rng_state(checkpoint["rng_state"])
+
+
+def load_module(ckpt_path: str | Path) -> RecModule:
+    """The :class:`RecModule` of a ``gem train`` checkpoint, in eval mode."""
+    ckpt = read_training_checkpoint(ckpt_path)
+    module = RecModule(ckpt.config, dataclasses.asdict(ckpt.schema), from_checkpoint=True)
+    module.model.load_state_dict(ckpt.state)
+    return module.eval()
+
+
+def load_trained(ckpt_path: str | Path) -> TrainedModel:
+    """A checkpoint's model with its run facts, as the transfer stages take it (teacher outputs, export)."""
+    module = load_module(ckpt_path)
+    return TrainedModel(model=module.model, schema=module.schema, path=Path(ckpt_path), config=module.cfg.to_dict())
+
+
+def rank_batch(model: torch.nn.Module, batch: JaggedBatch, ranking: RankingMetrics, valid_items: torch.Tensor | None) -> None:
+    """Full ranking of each row's candidate among all items, the row's history excluded."""
+    mask = valid_items.to(batch.candidate.device) if valid_items is not None else None
+    ranking.update(model.score_items(batch), batch.candidate, batch.history["item_ids"], batch.offsets, valid_items=mask)
