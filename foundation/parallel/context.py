@@ -243,30 +243,19 @@ def heads_to_tokens(full: torch.Tensor, plan: ContextPlan, group: dist.ProcessGr
     return received.view(size, tokens, group_heads, width).transpose(0, 1).reshape(tokens, size * group_heads, width)
 
 
-class TokensToHeads(torch.autograd.Function):
-    """:func:`tokens_to_heads`, whose adjoint is :func:`heads_to_tokens` (a permutation of the elements)."""
+class HeadExchange(torch.autograd.Function):
+    """:func:`tokens_to_heads` (``to_heads``) or :func:`heads_to_tokens`: permutations of the elements, each
+    the other's adjoint, so the backward runs the other one."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, plan: ContextPlan, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.plan, ctx.group = plan, group
-        return tokens_to_heads(local, plan, group)
+    def forward(ctx, x: torch.Tensor, plan: ContextPlan, group: dist.ProcessGroup, to_heads: bool) -> torch.Tensor:
+        ctx.plan, ctx.group, ctx.to_heads = plan, group, to_heads
+        return (tokens_to_heads if to_heads else heads_to_tokens)(x, plan, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return heads_to_tokens(grad.contiguous(), ctx.plan, ctx.group), None, None
-
-
-class HeadsToTokens(torch.autograd.Function):
-    """:func:`heads_to_tokens`, whose adjoint is :func:`tokens_to_heads`."""
-
-    @staticmethod
-    def forward(ctx, full: torch.Tensor, plan: ContextPlan, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.plan, ctx.group = plan, group
-        return heads_to_tokens(full, plan, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return tokens_to_heads(grad.contiguous(), ctx.plan, ctx.group), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        adjoint = heads_to_tokens if ctx.to_heads else tokens_to_heads
+        return adjoint(grad.contiguous(), ctx.plan, ctx.group), None, None, None
 
 
 class ContextParallel:
@@ -374,7 +363,7 @@ class ContextParallel:
         heads, dqk = q.shape[1], q.shape[2]
         group_heads = heads // self.size
         mine = slice(self.rank * group_heads, (self.rank + 1) * group_heads)
-        qkv = TokensToHeads.apply(torch.cat([q, k, v], dim=-1), plan, self.group)
+        qkv = HeadExchange.apply(torch.cat([q, k, v], dim=-1), plan, self.group, True)
         q_h, k_h, v_h = qkv.split([dqk, dqk, v.shape[2]], dim=-1)
         with route_jagged_attention(None):
             out = jagged_attention(
@@ -388,7 +377,7 @@ class ContextParallel:
                 time_bias=time_bias if time_bias is None or time_bias.shape[0] == 1 else time_bias[mine],
                 **options,
             )
-        return HeadsToTokens.apply(out, plan, self.group)
+        return HeadExchange.apply(out, plan, self.group, False)
 
 
 def attend_over_prefixes(
