@@ -25,10 +25,12 @@ quickstart: $(STAMP)
 	@echo "Runs are in ./mlflow.db. Browse them with: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 mlflow-ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db
