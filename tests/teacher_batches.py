@@ -132,36 +132,3 @@ def with_other_candidates(batch: JaggedBatch, schema: EventSchema, *, seed: int)
         sparse=sparse,
         dense=torch.randn(b, schema.dense_dim, generator=g),
     )
-
-
-def select_rows(batch: JaggedBatch, rows: list[int]) -> JaggedBatch:
-    """A batch of the given rows only (histories, features, labels), in that order."""
-    starts, ends = batch.offsets[:-1], batch.offsets[1:]
-    token_index = torch.cat(
-        [torch.zeros(0, dtype=torch.int64), *(torch.arange(starts[r], ends[r]) for r in rows)]
-    )
-    lengths = torch.tensor([int(ends[r] - starts[r]) for r in rows], dtype=torch.int64)
-    keys = batch.sparse.keys()
-    per_key = batch.sparse.to_dict()
-    values = [per_key[k].values()[torch.tensor(rows)] for k in keys]  # one id per row and key
-    pick = torch.tensor(rows)
-    return dataclasses.replace(
-        batch,
-        history={k: v[token_index] for k, v in batch.history.items()},
-        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-        max_len=int(lengths.max()) if rows else 0,
-        sparse=KeyedJaggedTensor(
-            keys=keys,
-            values=torch.cat([torch.zeros(0, dtype=torch.int64), *values]),
-            lengths=torch.ones(len(rows) * len(keys), dtype=torch.int32),
-            stride=len(rows),
-        ),
-        dense=batch.dense[pick],
-        candidate=batch.candidate[pick],
-        domain=batch.domain[pick],
-        timestamp=batch.timestamp[pick],
-        user_id=batch.user_id[pick],
-        example_id=batch.example_id[pick],
-        labels={k: v[pick] for k, v in batch.labels.items()},
-        label_mask={k: v[pick] for k, v in batch.label_mask.items()},
-    )

@@ -34,12 +34,13 @@ from foundation.parallel import (
     parallelize_teacher,
 )
 from foundation.parallel import checkpoint as checkpoint_module
+from foundation.parallel.balance import take_rows
 from foundation.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from foundation.parallel.context import unwrapped
 from foundation.parallel.embeddings import SHARDING_TYPES, apply_sparse_optimizer, summarize_plan
 from foundation.parallel.state import export_single_file, gather_full_state_dict
 from foundation.parallel.tensor import find_linear_pairs
-from tests.teacher_batches import CTR_SCHEMA, make_batch, select_rows, tiny_config
+from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
 
 STEPS = 20
 SAVE_AT = 3
@@ -226,7 +227,7 @@ def global_batches():
 def slices_of(batch, num_slices: int) -> list:
     """The global batch cut into ``num_slices`` contiguous slices (one per data-parallel rank)."""
     rows = GLOBAL_ROWS // num_slices
-    return [select_rows(batch, list(range(r * rows, (r + 1) * rows))) for r in range(num_slices)]
+    return [take_rows(batch, torch.arange(r * rows, (r + 1) * rows)) for r in range(num_slices)]
 
 
 def train_reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -17,12 +17,12 @@ from foundation.model.interaction import DCNv2Block, WukongBlock
 from foundation.model.jagged import SuffixLayout, last_tokens
 from foundation.model.teacher import build_teacher, pairwise_dots
 from foundation.model.teacher_config import TeacherConfig
+from foundation.parallel.balance import take_rows
 from gem.flavors import TEACHER_FLAVORS, teacher_flavor
 from tests.teacher_batches import (
     CTR_SCHEMA,
     NEXT_ITEM_SCHEMA,
     make_batch,
-    select_rows,
     tiny_config,
     with_other_candidates,
 )
@@ -163,7 +163,7 @@ def test_outputs_do_not_depend_on_the_rest_of_the_batch(schema_name):
     with torch.no_grad():
         together = model(batch)
         for row in (1, 2, 4):
-            alone = model(select_rows(batch, [row]))
+            alone = model(take_rows(batch, torch.tensor([row])))
             torch.testing.assert_close(alone.user_repr[0], together.user_repr[row], rtol=1e-5, atol=1e-6)
             for task, logit in alone.logits.items():
                 torch.testing.assert_close(logit[0], together.logits[task][row], rtol=1e-5, atol=1e-6)
