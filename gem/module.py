@@ -12,6 +12,7 @@ parameters (:mod:`transfer.sharing`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from pathlib import Path
@@ -203,6 +204,18 @@ class RecModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "rng_state" in checkpoint:
             torch.set_rng_state(checkpoint["rng_state"])
+        adopt_automatic_step_count(checkpoint)
+
+
+def adopt_automatic_step_count(checkpoint: dict[str, Any]) -> None:
+    """Carry the optimiser steps of a checkpoint written under Lightning's automatic optimisation (before
+    the harness ran :func:`gem.loop.train_step` itself) into the manual loop's count, in place; else a resumed
+    run would restart its global step at 0 and train past ``train.max_steps``."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    automatic = loops.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step")
+    manual = loops.get("epoch_loop.manual_optimization.optim_step_progress")
+    if automatic and manual is not None and manual["total"]["completed"] == 0:
+        loops["epoch_loop.manual_optimization.optim_step_progress"] = copy.deepcopy(automatic)
 
 
 def load_module(ckpt_path: str | Path) -> RecModule:

@@ -147,3 +147,24 @@ def test_resume_with_a_changed_config_continues_the_run_and_records_the_change(d
     )
     resumed = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="config_resume_1.json")).read_text())
     assert resumed["train"]["max_steps"] == 16
+
+
+def test_a_checkpoint_from_automatic_optimisation_resumes_at_its_step(dataset, tmp_path):
+    """Checkpoints written before the harness ran its own step count steps in Lightning's automatic loop."""
+    out = tmp_path / "run"
+    args = ["train", *_train_args(dataset, out, 0)[1:], "train.max_epochs=2"]
+    assert main([*args, "train.max_steps=10"]) == 0
+    last = out / "debug" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True)
+    loops = ckpt["loops"]["fit_loop"]
+    manual = loops["epoch_loop.manual_optimization.optim_step_progress"]
+    automatic = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
+    assert manual["total"]["completed"] == 10 and automatic["total"]["completed"] == 0
+    # As the harness wrote it before: the steps in the automatic loop's progress, none in the manual one's.
+    loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"] = manual
+    loops["epoch_loop.manual_optimization.optim_step_progress"] = automatic
+    torch.save(ckpt, last)
+    assert main([*args, "train.max_steps=20"]) == 0
+    resumed = torch.load(last, weights_only=True)
+    assert resumed["global_step"] == 20
+    assert resumed["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] == 20
