@@ -59,8 +59,9 @@ class Encoded:
         item_features: ``[B, F_item, d]`` the candidate's categorical features (ctr only).
         history_vectors: ``[L, item_dim]`` history item embeddings from the item table.
         candidate_vectors: ``[B, item_dim]`` candidate embeddings from the item table.
-        negative_ids, negative_vectors: ``[N, K]`` uniform negatives and ``[N * K, item_dim]`` their
-            embeddings, drawn in a training forward of the generative objective (else None).
+        negative_ids, negative_vectors: uniform negatives drawn in a training forward of the generative
+            objective (else None) and their raw table rows: ``[K]`` and ``[K, item_dim]`` shared by the
+            batch (``negatives="batch"``), or ``[N, K]`` and ``[N * K, item_dim]`` for its ``N`` positions.
         candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected).
         pooled: ``[B, P, d]`` mean item part of each history, over all and over clicked events (ctr with
             ``pooled_history``; ``P = 0`` otherwise).
@@ -333,32 +334,42 @@ class GEMTeacher(nn.Module):
             target_index = torch.cat([target_index, candidate_index])
             valid = torch.cat([valid, batch.lengths == 0])
         item_ids = torch.cat([batch.history["item_ids"], batch.candidate])
-        item_vectors = l2_normalize(torch.cat([out.extra["history_vectors"], out.extra["candidate_vectors"]]))
-        targets, target_vec = item_ids[target_index], item_vectors[target_index]
+        item_vectors = torch.cat([out.extra["history_vectors"], out.extra["candidate_vectors"]])
         if "negative_ids" in out.extra:
             negatives, negative_vec = out.extra["negative_ids"], out.extra["negative_vectors"]
         else:  # evaluation: no optimiser step follows, so a second lookup changes nothing
             negatives = self.draw_negatives(batch)
             negative_vec = self.items(negatives.flatten())
-        n, k = negatives.shape
+        shared_ids, shared_vec = [], []
+        if self.cfg.negatives == "batch":
+            shared_ids.append(negatives)
+            shared_vec.append(negative_vec)
+        if self.cfg.in_batch_negatives:
+            shared_ids.append(batch.candidate)
+            shared_vec.append(out.extra["candidate_vectors"])
         per_position = sampled_softmax_loss(
             queries,
-            targets,
-            target_vec,
-            negatives,
-            l2_normalize(negative_vec).view(n, k, self.cfg.item_dim),
+            item_ids.index_select(0, target_index),
+            item_vectors.index_select(0, target_index),
             self.cfg.temperature,
-            batch.candidate if self.cfg.in_batch_negatives else None,
-            item_vectors[num_tokens:] if self.cfg.in_batch_negatives else None,
+            shared_ids=torch.cat(shared_ids) if shared_ids else None,
+            shared_vectors=torch.cat(shared_vec) if shared_vec else None,
+            position_ids=negatives if self.cfg.negatives == "position" else None,
+            position_vectors=(
+                negative_vec.view(*negatives.shape, -1) if self.cfg.negatives == "position" else None
+            ),
         )
         weight = valid.to(per_position.dtype)
         return (per_position * weight).sum() / weight.sum().clamp_min(1.0)
 
     def draw_negatives(self, batch: JaggedBatch) -> torch.Tensor:
-        """``[N, num_negatives]`` uniform item ids for the ``N`` next-item positions (every history token,
-        plus one per row on next_item data)."""
-        n = batch.num_tokens + (batch.batch_size if self.next_item else 0)
-        return torch.randint(self.schema.num_items, (n, self.cfg.num_negatives), device=batch.offsets.device)
+        """Uniform item ids: ``[num_negatives]`` shared by the batch (``negatives="batch"``), or
+        ``[N, num_negatives]`` for its ``N`` next-item positions (every history token, plus one per row on
+        next_item data)."""
+        shape = (self.cfg.num_negatives,)
+        if self.cfg.negatives == "position":
+            shape = (batch.num_tokens + (batch.batch_size if self.next_item else 0), *shape)
+        return torch.randint(self.schema.num_items, shape, device=batch.offsets.device)
 
     def loss(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor]:
         """``{"loss", ...terms}``: the generative loss (next_item), or masked BCE per task (ctr) plus,
@@ -405,4 +416,5 @@ def pairwise_dots(tokens: torch.Tensor) -> torch.Tensor:
 
 def build_teacher(cfg: TeacherConfig, schema: EventSchema) -> GEMTeacher:
     """The GEM teacher for a dataset's schema (``ctr`` or ``next_item`` task)."""
+    cfg.check()
     return GEMTeacher(cfg, schema)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 INTERACTIONS = ("wukong", "dcnv2")
+NEGATIVE_MODES = ("batch", "position")
 HISTORY_FEATURES = ("action", "domain", "age")
 
 
@@ -71,8 +72,11 @@ class TeacherConfig:
     Generative next-item objective (always on for next_item data, optional for ctr):
         generative: add the next-item loss to the ctr loss.
         generative_weight: its weight in the ctr loss.
-        num_negatives: uniform negatives per position.
-        in_batch_negatives: also use the batch's candidates as negatives.
+        num_negatives: uniform negatives each position is scored against.
+        negatives: how they are drawn: ``batch`` (``num_negatives`` ids per batch, shared by every
+            position: one GEMM, see :mod:`foundation.model.generative`) or ``position`` (``num_negatives``
+            ids per position, HSTU's ML-1M recipe: ``positions x num_negatives`` table rows per step).
+        in_batch_negatives: also use the batch's candidates as negatives (shared by every position).
         temperature: softmax temperature on cosine similarities.
     """
 
@@ -118,13 +122,20 @@ class TeacherConfig:
     generative: bool = False
     generative_weight: float = 0.1
     num_negatives: int = 128
+    negatives: str = "batch"
     in_batch_negatives: bool = False
     temperature: float = 0.05
 
     def __post_init__(self) -> None:
         self.history_features = tuple(self.history_features)
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad field (again after CLI overrides, which skip ``__init__``)."""
         if self.interaction not in INTERACTIONS:
             raise ValueError(f"teacher.interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        if self.negatives not in NEGATIVE_MODES:
+            raise ValueError(f"teacher.negatives must be one of {NEGATIVE_MODES}, got {self.negatives!r}")
         unknown = set(self.history_features) - set(HISTORY_FEATURES)
         if unknown:
             raise ValueError(
@@ -167,7 +178,8 @@ class TeacherConfig:
 
 def _ml1m(num_layers: int, num_heads: int) -> TeacherConfig:
     """HSTU's published ML-1M setup: item ids only, relative position+time bias, d=50, dropout 0.2,
-    sampled softmax with 128 uniform negatives at temperature 0.05 on L2-normalised embeddings."""
+    sampled softmax with 128 uniform negatives per position at temperature 0.05 on L2-normalised
+    embeddings (``negatives=batch`` shares them per batch: the A/B in docs/benchmarks.md)."""
     return TeacherConfig(
         d_model=50,
         item_dim=50,
@@ -186,6 +198,7 @@ def _ml1m(num_layers: int, num_heads: int) -> TeacherConfig:
         num_recent=0,
         target_aware=False,
         num_negatives=128,
+        negatives="position",
         in_batch_negatives=False,
         temperature=0.05,
         # HSTU's reference implementation does not scale QKᵀ.
@@ -234,8 +247,8 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
     # same model memorised within one epoch and lost to the DLRM by .04 NE. 64 events is what was
     # measured (it beat 32, and the DLRM at 256); longer histories need the GPU's kernels to train fast.
     "small": _debug().replace(interleave=False, num_cls=0, num_recent=0, generative=False),
-    # Sized for one H200 with long sequences (pair with a token budget of ~16k tokens per batch: at
-    # 32k the generative loss's per-position negatives alone take ~8 GiB; see docs/benchmarks.md):
+    # Sized for one H200 with long sequences (a token budget of ~16k tokens per batch was measured; the
+    # generative loss shares its 512 negatives per batch, see docs/benchmarks.md):
     # ~85M parameters in the HSTU blocks and ~410M dense parameters in all; the sequence arch
     # (blocks, PFFN, PMA, attention) takes almost all the FLOPs.
     "large": TeacherConfig(
