@@ -21,9 +21,17 @@ from contextvars import ContextVar
 
 import torch
 
+from kernels.glue import jagged_broadcast, layer_norm
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 
-__all__ = ["ACTIVATIONS", "jagged_attention", "jagged_cross_attention", "route_jagged_attention"]
+__all__ = [
+    "ACTIVATIONS",
+    "jagged_attention",
+    "jagged_broadcast",
+    "jagged_cross_attention",
+    "layer_norm",
+    "route_jagged_attention",
+]
 
 # Context parallelism (foundation/parallel/context.py) computes the model's unchanged jagged_attention calls on
 # one rank's tokens against every rank's keys; it takes them over through this route.

@@ -230,6 +230,22 @@ def test_suffix_layout_round_trip_and_recent_tokens():
     assert recent.squeeze(-1).tolist() == [[0, 1], [-1, -1], [3, 4]]
 
 
+def test_suffix_layout_and_recent_tokens_gradients_match_advanced_indexing():
+    offsets = torch.tensor([0, 2, 2, 5, 6])
+    layout = SuffixLayout.build(offsets, 6, 2)
+    history = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    suffix = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(layout.combine, (history, suffix))
+    combined = torch.randn(14, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda c: layout.split(c), (combined,))
+    # split's outputs are exactly advanced indexing's, so are their gradients.
+    got_history, got_suffix = layout.split(combined)
+    assert torch.equal(got_history, combined[layout.history_index])
+    assert torch.equal(got_suffix, combined[layout.suffix_index])
+    fill = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda h, f: last_tokens(h, offsets, 3, f), (history, fill))
+
+
 def test_pooled_history_means_all_and_clicked_events_per_row():
     batch = make_batch(CTR_SCHEMA, [3, 0, 4])
     batch.history["actions"] = torch.tensor([0, 1, 2, 0, 0, 0, 0])

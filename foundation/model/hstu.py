@@ -1,7 +1,8 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
 ``U, V, Q, K = silu(W·LN(x))``; ``A = silu(alpha·QKᵀ + rel_bias)/N · V`` (causal, through
-:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``. The relative bias is a learned
+:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm one fused kernel
+(:func:`kernels.layer_norm`). The relative bias is a learned
 per-head table over position distance plus one over log time-difference buckets.
 
 ``N`` is fixed by the config (the longest sequence the model is sized for), not the batch's
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foundation.model.norms import apply_layer_norm
 from kernels import jagged_attention
 
 
@@ -50,7 +52,7 @@ class HSTUBlock(nn.Module):
         """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``."""
         h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
         u, v, q, k = torch.split(
-            nn.functional.silu(self.uvqk(self.input_norm(x))), [h * dv, h * dv, h * dqk, h * dqk], -1
+            nn.functional.silu(self.uvqk(apply_layer_norm(self.input_norm, x))), [h * dv, h * dv, h * dqk, h * dqk], -1
         )
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
@@ -85,7 +87,8 @@ class HSTUBlock(nn.Module):
             time_bias=self.time_bias,
             timestamps=timestamps if self.time_bias is not None else None,
         )
-        # The kernel divides by the batch's max_len; rescale to the fixed 1/N.
-        attn = attn * (max_len / self.attention_norm)
-        gated = self.attn_norm(attn.reshape(x.shape[0], -1)) * u
+        # The kernel divides by the batch's max_len; rescale to the fixed 1/N (inside the fused norm).
+        gated = apply_layer_norm(
+            self.attn_norm, attn.reshape(x.shape[0], -1), scale=max_len / self.attention_norm, gate=u
+        )
         return x + self.output(self.dropout(gated))

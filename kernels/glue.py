@@ -1,0 +1,115 @@
+"""Dispatchers for the glue around the attention kernels: a fused LayerNorm and a row broadcast.
+
+Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
+PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU
+tensors under ``TRITON_INTERPRET=1``). The environment variable ``GEM_GLUE_BACKEND`` (``pytorch`` or
+``triton``), when set and not ``auto``, replaces ``backend="auto"`` at every call: a whole model then
+runs on the references without touching model code, e.g. for a fused-against-unfused loss comparison
+(``experiments/bench_teacher.py --glue-backend pytorch``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_BACKENDS = ("auto", "pytorch", "triton")
+
+
+def _resolve(backend: str, x: torch.Tensor) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        forced = os.environ.get("GEM_GLUE_BACKEND", "auto")
+        if forced not in _BACKENDS:
+            raise ValueError(f"GEM_GLUE_BACKEND must be one of {_BACKENDS}, got {forced!r}")
+        if forced != "auto":
+            return forced
+        return "triton" if x.is_cuda else "pytorch"
+    return backend
+
+
+def _check_float(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating tensor, got {getattr(t, 'dtype', type(t))}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    scale: float = 1.0,
+    gate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``(LN(scale * x) * gate).to(out_dtype)`` over the last axis, computed in float32.
+
+    ``out_dtype`` lets the caller hand the next GEMM its autocast dtype directly: the values are those
+    that autocast's float32 LayerNorm followed by the GEMM's cast would give.
+
+    Args:
+        x: ``[..., N]``.
+        weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
+        eps: the LayerNorm epsilon.
+        scale: multiplies ``x`` before the normalisation (folded into the kernel's load).
+        gate: ``[..., N]``, x's shape, multiplying the normalised output; or None.
+        out_dtype: the result's dtype; None: x's dtype promoted with gate's.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        x's shape in ``out_dtype``; differentiable in x, weight, bias and gate.
+    """
+    _check_float("x", x, x.device)
+    n = x.shape[-1] if x.dim() else 0
+    for name, p in (("weight", weight), ("bias", bias)):
+        _check_float(name, p, x.device)
+        if p.shape != (n,):
+            raise ValueError(f"{name} must be [N]=[{n}], got {tuple(p.shape)}")
+    if gate is not None:
+        _check_float("gate", gate, x.device)
+        if gate.shape != x.shape:
+            raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    if _resolve(backend, x) == "triton":
+        from kernels.triton.layer_norm import MAX_N
+        from kernels.triton.layer_norm import layer_norm as impl
+
+        if n > MAX_N:
+            raise ValueError(f"the Triton layer_norm takes N <= {MAX_N}, got {n}; use backend='pytorch'")
+    else:
+        from kernels.pytorch.layer_norm import layer_norm as impl
+    return impl(x, weight, bias, eps, scale=scale, gate=gate, out_dtype=out_dtype)
+
+
+def jagged_broadcast(values: torch.Tensor, rows: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Each row's vector on every one of its tokens: ``values[rows]``, ``[L, N]``.
+
+    The Triton backend's backward is a segment sum over each row's contiguous tokens (no atomics, no
+    sort) where autograd's would scatter-add every token into its row.
+
+    Args:
+        values: ``[B, N]`` floating.
+        rows: ``[L]`` int64, the row of every token, **sorted** (tokens of a row are contiguous, rows in
+            order: what :func:`foundation.model.jagged.token_rows` and a context-parallel shard give);
+            values in ``[0, B)``. Not checked on the device (that would sync).
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+    """
+    _check_float("values", values, values.device)
+    if values.dim() != 2:
+        raise ValueError(f"values must be [B, N], got {tuple(values.shape)}")
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(f"rows must be a 1-D int64 tensor [L], got {getattr(rows, 'shape', rows)}")
+    if rows.device != values.device:
+        raise ValueError(f"rows is on {rows.device} but values are on {values.device}")
+    if _resolve(backend, values) == "triton":
+        from kernels.triton.segments import jagged_broadcast as impl
+    else:
+        from kernels.pytorch.segments import jagged_broadcast as impl
+    return impl(values, rows)
