@@ -62,7 +62,8 @@ class Encoded:
         negative_ids, negative_vectors: uniform negatives drawn in a training forward of the generative
             objective (else None) and their raw table rows: ``[K]`` and ``[K, item_dim]`` shared by the
             batch (``negatives="batch"``), or ``[N, K]`` and ``[N * K, item_dim]`` for its ``N`` positions.
-        candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected).
+        candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected); None on
+            next_item data, where nothing reads it.
         pooled: ``[B, P, d]`` mean item part of each history, over all and over clicked events (ctr with
             ``pooled_history``; ``P = 0`` otherwise).
     """
@@ -74,7 +75,7 @@ class Encoded:
     item_features: torch.Tensor
     history_vectors: torch.Tensor
     candidate_vectors: torch.Tensor
-    candidate_items: torch.Tensor
+    candidate_items: torch.Tensor | None
     pooled: torch.Tensor
     negative_ids: torch.Tensor | None
     negative_vectors: torch.Tensor | None
@@ -199,7 +200,7 @@ class GEMTeacher(nn.Module):
         user_features, item_features = self.sparse_embedding(batch.sparse, b)
         return torch.cat([user_features, self.user_bias.expand(b, 1, -1)], dim=1), item_features
 
-    def build_suffix(self, batch: JaggedBatch, candidate_tokens: torch.Tensor) -> torch.Tensor:
+    def build_suffix(self, batch: JaggedBatch, candidate_tokens: torch.Tensor | None) -> torch.Tensor:
         """``[B, S, d]``: CLS tokens, then the candidate token ``candidate_tokens[B, d]`` when target-aware."""
         parts = [self.cls_tokens.expand(batch.batch_size, -1, -1)]
         if self.with_candidate_token:
@@ -230,7 +231,7 @@ class GEMTeacher(nn.Module):
 
         layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
         history_tokens, candidate_items, candidate_tokens, pooled = self.history_embedding(
-            batch, history_vectors, candidate_vectors
+            batch, history_vectors, None if self.next_item else candidate_vectors
         )
         seq = layout.combine(history_tokens, self.build_suffix(batch, candidate_tokens))
         # CLS and candidate tokens happen "now": at the impression time.
