@@ -62,8 +62,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_dense_flops_match_torch_flop_counter(case, monkeypatch):
+def _counted(case: str, monkeypatch, *, backward: bool):
+    """``(FLOPs torch's counter saw, cfg, schema, batch)`` for one loss (and backward) of a case, attention-free."""
     task, changes = CASES[case]
     schema = CTR_SCHEMA if task == "ctr" else NEXT_ITEM_SCHEMA
     cfg = tiny_config(**changes)
@@ -73,10 +73,18 @@ def test_dense_flops_match_torch_flop_counter(case, monkeypatch):
     _no_attention(monkeypatch)
     counter = FlopCounterMode(display=False)
     with counter:
-        model.loss(batch, model(batch))
+        loss = model.loss(batch, model(batch))["loss"]
+        if backward:
+            loss.backward()
+    return counter.get_total_flops(), cfg, schema, batch
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dense_flops_match_torch_flop_counter(case, monkeypatch):
+    counted, cfg, schema, batch = _counted(case, monkeypatch, backward=False)
     parts = teacher_flop_breakdown(cfg, schema, batch.offsets)
     dense = sum(v for k, v in parts.items() if k != "attention")
-    assert counter.get_total_flops() == pytest.approx(dense, rel=1e-9)
+    assert counted == pytest.approx(dense, rel=1e-9)
     assert parts["attention"] > 0
 
 
@@ -84,21 +92,10 @@ def test_dense_flops_match_torch_flop_counter(case, monkeypatch):
 def test_training_step_dense_flops_match_torch_flop_counter(case, monkeypatch):
     """Forward + backward as the optimiser step needs it: every product's input and weight gradients, except
     the input gradient of layers fed by data."""
-    task, changes = CASES[case]
-    schema = CTR_SCHEMA if task == "ctr" else NEXT_ITEM_SCHEMA
-    cfg = tiny_config(**changes)
-    torch.manual_seed(0)
-    model = build_teacher(cfg, schema)
-    batch = make_batch(schema, LENGTHS)
-    _no_attention(monkeypatch)
-    counter = FlopCounterMode(display=False)
-    with counter:
-        model.loss(batch, model(batch))["loss"].backward()
-    parts = teacher_flop_breakdown(cfg, schema, batch.offsets)
-    attention = parts.pop("attention")
-    expected = teacher_flops(cfg, schema, batch.offsets) - 3 * attention
-    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-9)
-    assert (data_input_flops(cfg, schema, batch.batch_size) > 0) == (task == "ctr")
+    counted, cfg, schema, batch = _counted(case, monkeypatch, backward=True)
+    attention = teacher_flop_breakdown(cfg, schema, batch.offsets)["attention"]
+    assert counted == pytest.approx(teacher_flops(cfg, schema, batch.offsets) - 3 * attention, rel=1e-9)
+    assert (data_input_flops(cfg, schema, batch.batch_size) > 0) == (schema is CTR_SCHEMA)
 
 
 def test_training_step_flops_weigh_backward():
