@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from foundation.model.norms import apply_layer_norm
+from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_attention
 
 
@@ -73,20 +74,21 @@ class HSTUBlock(nn.Module):
             themselves only (CLS and candidate tokens).
         """
         u, v, q, k = self.split_uvqk(x)
-        attn = jagged_attention(
-            q,
-            k,
-            v,
-            offsets,
-            max_len,
-            activation="silu",
-            causal=True,
-            alpha=self.alpha,
-            num_targets=num_targets,
-            pos_bias=self.pos_bias,
-            time_bias=self.time_bias,
-            timestamps=timestamps if self.time_bias is not None else None,
-        )
+        with profile_region(ATTENTION):
+            attn = jagged_attention(
+                q,
+                k,
+                v,
+                offsets,
+                max_len,
+                activation="silu",
+                causal=True,
+                alpha=self.alpha,
+                num_targets=num_targets,
+                pos_bias=self.pos_bias,
+                time_bias=self.time_bias,
+                timestamps=timestamps if self.time_bias is not None else None,
+            )
         # The kernel divides by the batch's max_len; rescale to the fixed 1/N (inside the fused norm).
         gated = apply_layer_norm(
             self.attn_norm, attn.reshape(x.shape[0], -1), scale=max_len / self.attention_norm, gate=u

@@ -12,6 +12,7 @@ from torch import nn
 
 from foundation.model.jagged import last_tokens
 from foundation.model.norms import apply_layer_norm
+from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_broadcast, jagged_cross_attention
 
 
@@ -83,7 +84,8 @@ class SequenceSummary(nn.Module):
         q_offsets = torch.arange(batch + 1, device=offsets.device) * s
         # max_len may be 0 (every history empty); any bound >= the longest is valid, and 1 keeps the
         # padded key axis non-empty.
-        pooled = jagged_cross_attention(q, k, v, q_offsets, offsets, s, max(max_len, 1), activation="softmax")
+        with profile_region(ATTENTION):
+            pooled = jagged_cross_attention(q, k, v, q_offsets, offsets, s, max(max_len, 1), activation="softmax")
         return self.seeds + self.pma_out(pooled.reshape(batch, s, d))
 
     def forward(

@@ -42,6 +42,7 @@ from foundation.model.interaction import build_interaction_block, build_interact
 from foundation.model.interformer import PersonalizedFFN, SequenceSummary
 from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
 from foundation.model.outputs import ModelOutput, multitask_bce
+from foundation.model.profiling import EMBEDDINGS, GENERATIVE, profile_region
 from foundation.model.teacher_config import TEACHER_FLAVORS, TeacherConfig, teacher_flavor
 
 __all__ = ["TEACHER_FLAVORS", "GEMTeacher", "TeacherConfig", "build_teacher", "teacher_flavor"]
@@ -213,26 +214,31 @@ class GEMTeacher(nn.Module):
         history, suffix = layout.split(seq)
         return self.summaries[layer](history, batch.offsets, batch.max_len, suffix[:, : self.cfg.num_cls])
 
-    def encode(self, batch: JaggedBatch) -> Encoded:
-        """Embeddings, then the HSTU layers interleaved with the non-sequence arch."""
+    def look_up_items(self, batch: JaggedBatch) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(negative_ids, history_vectors[L, e], candidate_vectors[B, e], negative_vectors)`` from one lookup.
+
+        A training step looks the item table up once: the generative loss's negatives join the history
+        and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
+        lookup in the loss would give its rows a second optimiser step that one device never takes.
+        """
         num_tokens, b = batch.num_tokens, batch.batch_size
-        # A training step looks the item table up once: the generative loss's negatives join the history
-        # and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
-        # lookup in the loss would give its rows a second optimiser step that one device never takes.
         negative_ids = self.draw_negatives(batch) if self.training and self.with_queries else None
         ids = [batch.history["item_ids"], batch.candidate]
         if negative_ids is not None:
             ids.append(negative_ids.flatten())
         vectors = self.items(torch.cat(ids))
-        history_vectors, candidate_vectors, negative_vectors = vectors.split(
-            [num_tokens, b, vectors.shape[0] - num_tokens - b]
-        )
-        user_tokens, item_features = self.embed_non_sequence(batch)
+        return negative_ids, *vectors.split([num_tokens, b, vectors.shape[0] - num_tokens - b])
 
+    def encode(self, batch: JaggedBatch) -> Encoded:
+        """Embeddings, then the HSTU layers interleaved with the non-sequence arch."""
+        num_tokens, b = batch.num_tokens, batch.batch_size
+        with profile_region(EMBEDDINGS):
+            negative_ids, history_vectors, candidate_vectors, negative_vectors = self.look_up_items(batch)
+            user_tokens, item_features = self.embed_non_sequence(batch)
+            history_tokens, candidate_items, candidate_tokens, pooled = self.history_embedding(
+                batch, history_vectors, None if self.next_item else candidate_vectors
+            )
         layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
-        history_tokens, candidate_items, candidate_tokens, pooled = self.history_embedding(
-            batch, history_vectors, None if self.next_item else candidate_vectors
-        )
         seq = layout.combine(history_tokens, self.build_suffix(batch, candidate_tokens))
         # CLS and candidate tokens happen "now": at the impression time.
         timestamps = layout.combine(
@@ -276,7 +282,8 @@ class GEMTeacher(nn.Module):
         enc = self.encode(batch)
         extra = {}
         if self.with_queries:
-            extra["position_queries"], extra["next_item_query"] = self.next_item_queries(batch, enc.history)
+            with profile_region(GENERATIVE):
+                extra["position_queries"], extra["next_item_query"] = self.next_item_queries(batch, enc.history)
             extra["history_vectors"], extra["candidate_vectors"] = enc.history_vectors, enc.candidate_vectors
             if enc.negative_ids is not None:
                 extra["negative_ids"], extra["negative_vectors"] = enc.negative_ids, enc.negative_vectors
@@ -376,11 +383,13 @@ class GEMTeacher(nn.Module):
         """``{"loss", ...terms}``: the generative loss (next_item), or masked BCE per task (ctr) plus,
         when ``cfg.generative``, the weighted generative loss."""
         if self.next_item:
-            generative = self.generative_loss(batch, out)
+            with profile_region(GENERATIVE):
+                generative = self.generative_loss(batch, out)
             return {"loss": generative, "loss_next_item": generative}
         terms = multitask_bce(batch, out, self.cfg.loss_weights)
         if self.cfg.generative:
-            generative = self.generative_loss(batch, out)
+            with profile_region(GENERATIVE):
+                generative = self.generative_loss(batch, out)
             terms["loss"] = terms["loss"] + self.cfg.generative_weight * generative
             terms["loss_next_item"] = generative
         return terms
