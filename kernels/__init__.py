@@ -21,14 +21,14 @@ from contextvars import ContextVar
 
 import torch
 
-from kernels.glue import jagged_broadcast, layer_norm
+from kernels.glue import jagged_silu_modulate, layer_norm
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 
 __all__ = [
     "ACTIVATIONS",
     "jagged_attention",
-    "jagged_broadcast",
     "jagged_cross_attention",
+    "jagged_silu_modulate",
     "layer_norm",
     "route_jagged_attention",
 ]

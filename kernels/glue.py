@@ -1,4 +1,4 @@
-"""Dispatchers for the glue around the attention kernels: a fused LayerNorm and a row broadcast.
+"""Dispatchers for the glue around the attention kernels: a fused LayerNorm and a per-row SiLU modulation.
 
 Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
 PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU
@@ -88,28 +88,39 @@ def layer_norm(
     return impl(x, weight, bias, eps, scale=scale, gate=gate, out_dtype=out_dtype)
 
 
-def jagged_broadcast(values: torch.Tensor, rows: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """Each row's vector on every one of its tokens: ``values[rows]``, ``[L, N]``.
+def jagged_silu_modulate(
+    h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, rows: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """``silu(h) * scale[rows] + shift[rows]``: every token modulated by its row's vectors (InterFormer's PFFN).
 
-    The Triton backend's backward is a segment sum over each row's contiguous tokens (no atomics, no
-    sort) where autograd's would scatter-add every token into its row.
+    The Triton backend is one pass forward and one backward, whose per-row sums of ``scale`` and ``shift``
+    gradients run over each row's contiguous tokens (no atomics, no sort) where autograd's would
+    scatter-add every token into its row.
 
     Args:
-        values: ``[B, N]`` floating.
+        h: ``[L, N]`` pre-activations.
+        scale, shift: ``[B, N]``.
         rows: ``[L]`` int64, the row of every token, **sorted** (tokens of a row are contiguous, rows in
             order: what :func:`foundation.model.jagged.token_rows` and a context-parallel shard give);
             values in ``[0, B)``. Not checked on the device (that would sync).
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        ``[L, N]`` in the promoted dtype of ``h``, ``scale`` and ``shift``.
     """
-    _check_float("values", values, values.device)
-    if values.dim() != 2:
-        raise ValueError(f"values must be [B, N], got {tuple(values.shape)}")
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
-        raise ValueError(f"rows must be a 1-D int64 tensor [L], got {getattr(rows, 'shape', rows)}")
-    if rows.device != values.device:
-        raise ValueError(f"rows is on {rows.device} but values are on {values.device}")
-    if _resolve(backend, values) == "triton":
-        from kernels.triton.segments import jagged_broadcast as impl
+    _check_float("h", h, h.device)
+    if h.dim() != 2:
+        raise ValueError(f"h must be [L, N], got {tuple(h.shape)}")
+    for name, t in (("scale", scale), ("shift", shift)):
+        _check_float(name, t, h.device)
+        if t.dim() != 2 or t.shape != scale.shape or t.shape[1] != h.shape[1]:
+            raise ValueError(f"{name} must be [B, N] with h's N={h.shape[1]}, got {tuple(t.shape)}")
+    if not isinstance(rows, torch.Tensor) or rows.shape != (h.shape[0],) or rows.dtype != torch.int64:
+        raise ValueError(f"rows must be int64 [L]=[{h.shape[0]}], got {getattr(rows, 'shape', rows)}")
+    if rows.device != h.device:
+        raise ValueError(f"rows is on {rows.device} but h is on {h.device}")
+    if _resolve(backend, h) == "triton":
+        from kernels.triton.row_modulate import jagged_silu_modulate as impl
     else:
-        from kernels.pytorch.segments import jagged_broadcast as impl
-    return impl(values, rows)
+        from kernels.pytorch.row_modulate import jagged_silu_modulate as impl
+    return impl(h, scale, shift, rows)

@@ -13,7 +13,7 @@ from torch import nn
 from foundation.model.jagged import last_tokens
 from foundation.model.norms import apply_layer_norm
 from foundation.model.profiling import ATTENTION, profile_region
-from kernels import jagged_broadcast, jagged_cross_attention
+from kernels import jagged_cross_attention, jagged_silu_modulate
 
 
 class PersonalizedFFN(nn.Module):
@@ -42,9 +42,7 @@ class PersonalizedFFN(nn.Module):
     def forward(self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
         """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``."""
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
-        # One broadcast of [B, 2 * hidden] to the tokens; its backward is a per-row segment sum.
-        scale, shift = jagged_broadcast(torch.cat([1 + gain, shift], dim=-1), rows).chunk(2, dim=-1)
-        hidden = torch.addcmul(shift, nn.functional.silu(self.up(apply_layer_norm(self.norm, x))), scale)
+        hidden = jagged_silu_modulate(self.up(apply_layer_norm(self.norm, x)), 1 + gain, shift, rows)
         return x + self.down(self.dropout(hidden))
 
 

@@ -1,4 +1,4 @@
-"""The glue kernels (fused LayerNorm, row broadcast): Triton (interpreted on CPU) against the PyTorch
+"""The glue kernels (fused LayerNorm, per-row SiLU modulation): Triton (interpreted on CPU) against the PyTorch
 references, forward and every gradient, on random shapes incl. empty, single and non-power-of-two ones.
 
 The references are first checked against plain eager PyTorch (``nn.LayerNorm`` then the gate; advanced
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import jagged_broadcast, layer_norm
+from kernels import jagged_silu_modulate, layer_norm
 
 
 def _leaf(g: torch.Generator, *shape: int, dtype=torch.float32) -> torch.Tensor:
@@ -108,6 +108,13 @@ def _rows(lengths: list[int]) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
 
 
+def test_silu_modulate_reference_is_silu_then_row_affine():
+    h, scale, shift = torch.randn(6, 4), torch.randn(3, 4), torch.randn(3, 4)
+    rows = _rows([2, 0, 4])
+    expected = torch.nn.functional.silu(h) * scale[rows] + shift[rows]
+    torch.testing.assert_close(jagged_silu_modulate(h, scale, shift, rows, backend="pytorch"), expected)
+
+
 @pytest.mark.parametrize(
     "lengths,n,dtype",
     [
@@ -115,32 +122,44 @@ def _rows(lengths: list[int]) -> torch.Tensor:
         ([0, 0, 0], 8, torch.float32),  # no tokens at all
         ([33, 2, 0], 130, torch.float16),  # wider than a column block
         ([64, 1], 1, torch.float32),  # one column
+        ([5, 9, 2], 48, torch.bfloat16),  # the PFFN's dtype under autocast on the GPU
     ],
 )
-def test_jagged_broadcast_triton_matches_reference(lengths, n, dtype):
+def test_silu_modulate_triton_matches_reference(lengths, n, dtype):
     g = torch.Generator().manual_seed(sum(lengths) + n)
-    values = _leaf(g, len(lengths), n, dtype=dtype)
     rows = _rows(lengths)
+    h = _leaf(g, rows.numel(), n, dtype=dtype)
+    scale, shift = _leaf(g, len(lengths), n, dtype=dtype), _leaf(g, len(lengths), n, dtype=dtype)
     upstream = torch.randn(rows.numel(), n, generator=g)
-    torch.testing.assert_close(jagged_broadcast(values, rows, backend="pytorch"), values[rows])
     results = {}
     for backend in ("pytorch", "triton"):
-        out = jagged_broadcast(values, rows, backend=backend)
-        results[backend] = (out, _grads(out, upstream, [values])[0])
-    assert torch.equal(results["triton"][0], results["pytorch"][0])
-    # The Triton sum accumulates in float32 before the cast: at least as close to the exact sum.
+        out = jagged_silu_modulate(h, scale, shift, rows, backend=backend)
+        results[backend] = (out, _grads(out, upstream, [h, scale, shift]))
+    (ref, ref_grads), (out, grads) = results["pytorch"], results["triton"]
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    if dtype != torch.float32:  # the reference rounds after each eager op, the kernel once
+        tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.float16 else {"rtol": 5e-2, "atol": 5e-2}
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **tol)
+    for name, a, b in zip(("h", "scale", "shift"), grads, ref_grads, strict=True):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+    # The row sums accumulate in float32 before their cast: close to the exact sums.
     exact = torch.zeros(len(lengths), n, dtype=torch.float64).index_add_(0, rows, upstream.to(dtype).double())
-    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.float16 else {"rtol": 1e-5, "atol": 1e-5}
-    torch.testing.assert_close(results["triton"][1].double(), exact, **tol)
-    torch.testing.assert_close(results["triton"][1], results["pytorch"][1], **tol)
+    torch.testing.assert_close(grads[2].double(), exact, **tol)
 
 
-def test_jagged_broadcast_rejects_bad_input():
-    values = torch.randn(3, 4)
+def test_silu_modulate_rejects_bad_input():
+    h, scale = torch.randn(4, 3), torch.randn(2, 3)
+    rows = torch.tensor([0, 0, 1, 1])
     with pytest.raises(ValueError, match="rows must be"):
-        jagged_broadcast(values, torch.tensor([0, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match="values must be"):
-        jagged_broadcast(torch.randn(3), torch.tensor([0, 1]))
+        jagged_silu_modulate(h, scale, scale, rows.int())
+    with pytest.raises(ValueError, match="rows must be"):
+        jagged_silu_modulate(h, scale, scale, rows[:3])
+    with pytest.raises(ValueError, match="shift must be"):
+        jagged_silu_modulate(h, scale, torch.randn(2, 4), rows)
+    with pytest.raises(ValueError, match="h must be"):
+        jagged_silu_modulate(h[None], scale, scale, rows)
 
 
 @pytest.mark.parametrize("interleave", [True, False])
