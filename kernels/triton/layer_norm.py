@@ -43,7 +43,8 @@ def _ln_fwd_kernel(
     tl.store(rstd_ptr + row, rstd)
 
 
-@triton.jit
+# The row count changes with every batch: specialising on its divisibility would compile twice.
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_ptr, db_ptr,
     M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_dx, stride_dg, scale,

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_L = 32
+# A token tile holds this many elements: narrower column blocks walk longer token tiles.
+TILE = 2048
 # Enough programs to cover the GPU when a batch has only a few (long) rows.
 _TARGET_PROGRAMS = 512
 
@@ -80,12 +81,13 @@ def _unit_columns(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _grid(batch: int, n: int) -> tuple[tuple[int, int], int]:
-    """``((rows, column blocks), BLOCK_N)``: 64-wide blocks unless too few programs would cover the GPU."""
+def _launch_shape(batch: int, n: int) -> tuple[tuple[int, int], dict]:
+    """``((rows, column blocks), {BLOCK_L, BLOCK_N})``: 64-wide column blocks unless too few programs would
+    cover the GPU (a batch of a few long rows), then narrower ones with longer token tiles."""
     block_n = min(64, triton.next_power_of_2(max(n, 1)))
     while block_n > 16 and batch * triton.cdiv(n, block_n) < _TARGET_PROGRAMS:
         block_n //= 2
-    return (batch, triton.cdiv(n, block_n)), block_n
+    return (batch, triton.cdiv(n, block_n)), {"BLOCK_L": TILE // block_n, "BLOCK_N": block_n}
 
 
 def _row_offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:
@@ -102,10 +104,9 @@ class _SiluModulateFn(torch.autograd.Function):
         dtype = torch.promote_types(torch.promote_types(h.dtype, scale.dtype), shift.dtype)
         y = torch.empty(h.shape, device=h.device, dtype=dtype)
         if batch and n and h.shape[0]:
-            grid, block_n = _grid(batch, n)
+            grid, blocks = _launch_shape(batch, n)
             _modulate_fwd_kernel[grid](
-                h, scale, shift, offsets, y, n, h.stride(0), scale.stride(0), shift.stride(0), y.stride(0),
-                BLOCK_L=BLOCK_L, BLOCK_N=block_n,
+                h, scale, shift, offsets, y, n, h.stride(0), scale.stride(0), shift.stride(0), y.stride(0), **blocks
             )
         ctx.save_for_backward(h, scale, offsets)
         ctx.shift_dtype = shift.dtype
@@ -120,10 +121,10 @@ class _SiluModulateFn(torch.autograd.Function):
         dscale = torch.zeros(batch, n, device=h.device, dtype=torch.float32)
         dshift = torch.zeros_like(dscale)
         if batch and n and h.shape[0]:
-            grid, block_n = _grid(batch, n)
+            grid, blocks = _launch_shape(batch, n)
             _modulate_bwd_kernel[grid](
                 dy, h, scale, offsets, dh, dscale, dshift, n, dy.stride(0), h.stride(0), scale.stride(0), dh.stride(0),
-                BLOCK_L=BLOCK_L, BLOCK_N=block_n,
+                **blocks,
             )
         return dh, dscale.to(scale.dtype), dshift.to(ctx.shift_dtype), None
 

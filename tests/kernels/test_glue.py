@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import jagged_silu_modulate, layer_norm
+from kernels.triton import row_modulate
 
 
 def _leaf(g: torch.Generator, *shape: int, dtype=torch.float32) -> torch.Tensor:
@@ -125,7 +126,9 @@ def test_silu_modulate_reference_is_silu_then_row_affine():
         ([5, 9, 2], 48, torch.bfloat16),  # the PFFN's dtype under autocast on the GPU
     ],
 )
-def test_silu_modulate_triton_matches_reference(lengths, n, dtype):
+@pytest.mark.parametrize("tile", [row_modulate.TILE, 64])  # 64: several token tiles per row (BLOCK_L of 4)
+def test_silu_modulate_triton_matches_reference(lengths, n, dtype, tile, monkeypatch):
+    monkeypatch.setattr(row_modulate, "TILE", tile)
     g = torch.Generator().manual_seed(sum(lengths) + n)
     rows = _rows(lengths)
     h = _leaf(g, rows.numel(), n, dtype=dtype)
