@@ -157,6 +157,8 @@ def build_batch(
         values=torch.from_numpy(np.concatenate(kjt_values).astype(np.int64)) if keys else torch.zeros(0, dtype=torch.int64),
         lengths=torch.from_numpy(np.concatenate(kjt_lengths).astype(np.int32)) if keys else torch.zeros(0, dtype=torch.int32),
         stride=batch_size,
+        # Known here on the host; torchrec would otherwise sum the lengths on the device and sync to read them.
+        length_per_key=[int(lengths.sum()) for lengths in kjt_lengths],
     )
     scalars = {c: torch.from_numpy(cat(lambda b, r, c=c: b.scalars[c][r])) for c in SCALAR_FIELDS}
     return JaggedBatch(
