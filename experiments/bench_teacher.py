@@ -25,6 +25,9 @@ that took the most device time, and the kernel time per step by group (generativ
 embeddings, optimizer, GEMM, elementwise/norm, other: :mod:`experiments.kernel_groups`) with the share
 of the step the GPU sat idle.
 
+``--sync-check`` (CUDA) runs one more step under ``torch.cuda.set_sync_debug_mode`` and lists where it
+made the host wait for the GPU.
+
 ``--compare-losses REF.json`` prints the largest per-step loss difference against another run's
 ``--json`` over the steps both ran (same seed and data: the same batches, which it checks), e.g. the
 fused glue kernels against ``--glue-backend pytorch``. ``--record docs/results/teacher_mfu.json`` appends
@@ -52,6 +55,8 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 _T0 = time.perf_counter()
@@ -148,9 +153,33 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
             print(f"time limit {args.time_limit} s reached after {len(times)} steps", flush=True)
             break
     trace = {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
+    extra = next(batches, None) if args.sync_check and use_cuda else None
+    if extra is not None:
+        trace["sync_points"] = find_sync_points(step, extra)
     if args.profile:
         trace["profile"] = profile_steps(step, batches, args.profile, use_cuda)
     return trace
+
+
+def find_sync_points(step, batch) -> list[dict]:
+    """One more step under CUDA's sync debug mode: where (file:line) it made the host wait for the GPU.
+
+    Anything that reads a device value on the host (``.item()``, ``.tolist()``, ``bool(tensor)``,
+    value-dependent shapes) is reported; places in this file are the step's own timing.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = Counter(
+        "/".join(Path(w.filename).parts[-3:]) + f":{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    points = [{"where": k, "count": n} for k, n in where.most_common()]
+    print(f"host syncs in one step: {sum(where.values())} at {len(points)} places: {json.dumps(points)}", flush=True)
+    return points
 
 
 def profile_steps(step, batches, num_steps: int, use_cuda: bool) -> dict:
@@ -382,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", type=int, default=0, help="after the timed steps, profile this many more (torch.profiler table)"
     )
+    parser.add_argument(
+        "--sync-check", action="store_true", help="after the timed steps, list where one more step syncs with the host (CUDA)"
+    )
     parser.add_argument("--compare-losses", default=None, metavar="REF.json", help="another run's --json to compare losses with")
     parser.add_argument("--record", default=None, metavar="PATH", help="append the headline figures to this JSON table")
     parser.add_argument("--record-label", default=None, help="a label for the recorded row (e.g. 'after issue 15')")
@@ -404,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {k: v for k, v in result.items() if k not in ("trace", "args", "world")}
     if "profile" in result["trace"]:
         summary["kernel_groups"] = result["trace"]["profile"]["groups"]
+    if "sync_points" in result["trace"]:
+        summary["sync_points"] = result["trace"]["sync_points"]
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 
