@@ -425,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.compare_losses and not Path(args.compare_losses).is_file():
         raise SystemExit(f"--compare-losses: {args.compare_losses} does not exist")
+    command = command_line(argv)  # before run() sets GEM_* variables from the options
     result = run(args)
     if args.compare_losses:
         result["loss_comparison"] = compare_losses(result["trace"], args.compare_losses)
-    result["command"] = command_line(argv)
+    result["command"] = command
     if args.record:
         result["recorded_row"] = record_row(Path(args.record), result, result["command"], args.record_label)
     if args.json:
