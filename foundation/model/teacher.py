@@ -214,8 +214,8 @@ class GEMTeacher(nn.Module):
         history, suffix = layout.split(seq)
         return self.summaries[layer](history, batch.offsets, batch.max_len, suffix[:, : self.cfg.num_cls])
 
-    def look_up_items(self, batch: JaggedBatch) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(negative_ids, history_vectors[L, e], candidate_vectors[B, e], negative_vectors)`` from one lookup.
+    def look_up_items(self, batch: JaggedBatch) -> tuple[torch.Tensor | None, ...]:
+        """``(negative_ids, history_vectors[L, e], candidate_vectors[B, e], negative_vectors)``: one lookup.
 
         A training step looks the item table up once: the generative loss's negatives join the history
         and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
@@ -343,32 +343,35 @@ class GEMTeacher(nn.Module):
             valid = torch.cat([valid, batch.lengths == 0])
         item_ids = torch.cat([batch.history["item_ids"], batch.candidate])
         item_vectors = torch.cat([out.extra["history_vectors"], out.extra["candidate_vectors"]])
-        if "negative_ids" in out.extra:
-            negatives, negative_vec = out.extra["negative_ids"], out.extra["negative_vectors"]
-        else:  # evaluation: no optimiser step follows, so a second lookup changes nothing
-            negatives = self.draw_negatives(batch)
-            negative_vec = self.items(negatives.flatten())
-        shared_ids, shared_vec = [], []
-        if self.cfg.negatives == "batch":
-            shared_ids.append(negatives)
-            shared_vec.append(negative_vec)
-        if self.cfg.in_batch_negatives:
-            shared_ids.append(batch.candidate)
-            shared_vec.append(out.extra["candidate_vectors"])
         per_position = sampled_softmax_loss(
             queries,
             item_ids.index_select(0, target_index),
             item_vectors.index_select(0, target_index),
             self.cfg.temperature,
-            shared_ids=torch.cat(shared_ids) if shared_ids else None,
-            shared_vectors=torch.cat(shared_vec) if shared_vec else None,
-            position_ids=negatives if self.cfg.negatives == "position" else None,
-            position_vectors=(
-                negative_vec.view(*negatives.shape, -1) if self.cfg.negatives == "position" else None
-            ),
+            **self.negative_arguments(batch, out),
         )
         weight = valid.to(per_position.dtype)
         return (per_position * weight).sum() / weight.sum().clamp_min(1.0)
+
+    def negative_arguments(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor | None]:
+        """The loss's negatives: ``shared_ids/vectors`` (the batch's draw, the in-batch candidates) and
+        ``position_ids/vectors`` (a per-position draw), as :func:`sampled_softmax_loss` takes them."""
+        if "negative_ids" in out.extra:
+            negatives, vectors = out.extra["negative_ids"], out.extra["negative_vectors"]
+        else:  # evaluation: no optimiser step follows, so a second lookup changes nothing
+            negatives = self.draw_negatives(batch)
+            vectors = self.items(negatives.flatten())
+        per_position = self.cfg.negatives == "position"
+        shared_ids, shared_vectors = ([], []) if per_position else ([negatives], [vectors])
+        if self.cfg.in_batch_negatives:
+            shared_ids.append(batch.candidate)
+            shared_vectors.append(out.extra["candidate_vectors"])
+        return {
+            "shared_ids": torch.cat(shared_ids) if shared_ids else None,
+            "shared_vectors": torch.cat(shared_vectors) if shared_vectors else None,
+            "position_ids": negatives if per_position else None,
+            "position_vectors": vectors.view(*negatives.shape, -1) if per_position else None,
+        }
 
     def draw_negatives(self, batch: JaggedBatch) -> torch.Tensor:
         """Uniform item ids: ``[num_negatives]`` shared by the batch (``negatives="batch"``), or
