@@ -21,10 +21,12 @@ GROUPS = ("generative_loss", "attention", "embeddings", "optimizer", "gemm", "el
 REGION_GROUPS = {GENERATIVE: "generative_loss", ATTENTION: "attention", EMBEDDINGS: "embeddings"}
 BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 OPTIMIZER_PREFIX = "Optimizer."
+# The jagged attention kernels by name, for launches the profiler links to no range of ours.
+ATTENTION_NAMES = re.compile(r"^_fwd_kernel|^_bwd_(dq|dkdv|delta)_kernel|attention|flash|fmha", re.I)
 GEMM_NAMES = re.compile(r"gemm|cutlass|nvjet|xmma|cublas|wgmma|^aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm)$", re.I)
 ELEMENTWISE_NAMES = re.compile(
     r"elementwise|vectorized|reduce|norm|softmax|index|gather|scatter|cat|copy_kernel|fill|where|silu|"
-    r"dropout|segment|_ln_|^aten::",
+    r"dropout|modulate|_ln_|^aten::",
     re.I,
 )
 
@@ -65,6 +67,8 @@ def context_group(event, numbers: dict[str, set[int]]) -> str | None:
 
 
 def name_group(name: str) -> str:
+    if ATTENTION_NAMES.search(name):
+        return "attention"
     if GEMM_NAMES.search(name):
         return "gemm"
     if ELEMENTWISE_NAMES.search(name):

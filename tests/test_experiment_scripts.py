@@ -97,3 +97,22 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     assert set(rows[0]) == {
         "max_history", "mfu", "tokens_per_s", "step_ms_median", "first_step_after_build_s", "command", "date", "device"
     }
+
+
+def test_kernel_names_fall_into_their_groups():
+    """Kernels outside the teacher's ranges are grouped by name (CUDA names as the H200 profiles show them)."""
+    from experiments.kernel_groups import name_group
+
+    names = {
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "gemm",
+        "aten::addmm": "gemm",
+        "_bwd_dkdv_kernel": "attention",
+        "_fwd_kernel": "attention",
+        "_ln_fwd_kernel": "elementwise_norm",
+        "_modulate_bwd_kernel": "elementwise_norm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise_norm",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, true>": "elementwise_norm",
+        "Memcpy HtoD (Pinned -> Device)": "other",
+    }
+    assert {n: name_group(n) for n in names} == names
