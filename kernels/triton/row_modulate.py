@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-# A token tile holds this many elements: narrower column blocks walk longer token tiles.
-TILE = 2048
-# Enough programs to cover the GPU when a batch has only a few (long) rows.
-_TARGET_PROGRAMS = 512
+# Token tile x column block. 32 columns give a batch of a few long rows (4,096-event histories, B of 4)
+# 32 programs per row; fixed sizes compile once, whatever the batch.
+BLOCK_L = 64
+BLOCK_N = 32
 
 
 @triton.jit
@@ -82,12 +82,9 @@ def _unit_columns(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_shape(batch: int, n: int) -> tuple[tuple[int, int], dict]:
-    """``((rows, column blocks), {BLOCK_L, BLOCK_N})``: 64-wide column blocks unless too few programs would
-    cover the GPU (a batch of a few long rows), then narrower ones with longer token tiles."""
-    block_n = min(64, triton.next_power_of_2(max(n, 1)))
-    while block_n > 16 and batch * triton.cdiv(n, block_n) < _TARGET_PROGRAMS:
-        block_n //= 2
-    return (batch, triton.cdiv(n, block_n)), {"BLOCK_L": TILE // block_n, "BLOCK_N": block_n}
+    """``((rows, column blocks), {BLOCK_L, BLOCK_N})``."""
+    block_n = min(BLOCK_N, triton.next_power_of_2(max(n, 1)))
+    return (batch, triton.cdiv(n, block_n)), {"BLOCK_L": BLOCK_L, "BLOCK_N": block_n}
 
 
 def _row_offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:

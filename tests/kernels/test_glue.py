@@ -126,9 +126,9 @@ def test_silu_modulate_reference_is_silu_then_row_affine():
         ([5, 9, 2], 48, torch.bfloat16),  # the PFFN's dtype under autocast on the GPU
     ],
 )
-@pytest.mark.parametrize("tile", [row_modulate.TILE, 64])  # 64: several token tiles per row (BLOCK_L of 4)
-def test_silu_modulate_triton_matches_reference(lengths, n, dtype, tile, monkeypatch):
-    monkeypatch.setattr(row_modulate, "TILE", tile)
+@pytest.mark.parametrize("block_l", [row_modulate.BLOCK_L, 4])  # 4: several token tiles per row
+def test_silu_modulate_triton_matches_reference(lengths, n, dtype, block_l, monkeypatch):
+    monkeypatch.setattr(row_modulate, "BLOCK_L", block_l)
     g = torch.Generator().manual_seed(sum(lengths) + n)
     rows = _rows(lengths)
     h = _leaf(g, rows.numel(), n, dtype=dtype)
