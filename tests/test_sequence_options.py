@@ -265,7 +265,7 @@ def test_normaliser_options_keep_rows_independent_of_the_batch(norm):
 
 def test_used_negatives_come_from_the_given_ids_only():
     used = torch.tensor([2, 3, 5, 7, 11, 13], dtype=torch.int64)
-    model = build_teacher(tiny_config(**HSTU_NEXT_ITEM, negatives="used"), NEXT_ITEM_SCHEMA, negative_items=used)
+    model = build_teacher(tiny_config(**HSTU_NEXT_ITEM, negative_pool="used"), NEXT_ITEM_SCHEMA, negative_items=used)
     batch = make_batch(NEXT_ITEM_SCHEMA, LENGTHS)
     drawn = model.draw_negatives(batch)
     assert drawn.shape == (batch.num_tokens + batch.batch_size, 8)
@@ -278,13 +278,13 @@ def test_used_negatives_come_from_the_given_ids_only():
 
 
 def test_used_negatives_reject_bad_ids():
-    cfg = tiny_config(**HSTU_NEXT_ITEM, negatives="used")
+    cfg = tiny_config(**HSTU_NEXT_ITEM, negative_pool="used")
     with pytest.raises(ValueError, match="pass negative_items"):
         build_teacher(cfg, NEXT_ITEM_SCHEMA)
-    with pytest.raises(ValueError, match=r"only with teacher\.negatives='used'"):
+    with pytest.raises(ValueError, match=r"only with teacher\.negative_pool='used'"):
         build_teacher(tiny_config(), NEXT_ITEM_SCHEMA, negative_items=torch.tensor([1]))
     for bad in (torch.tensor([1, 25]), torch.tensor([-1, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([1.0])):
         with pytest.raises(ValueError, match="negative_items"):
             build_teacher(cfg, NEXT_ITEM_SCHEMA, negative_items=bad)
-    with pytest.raises(ValueError, match="negatives"):
-        TeacherConfig(negatives="popular")
+    with pytest.raises(ValueError, match="negative_pool"):
+        TeacherConfig(negative_pool="popular")

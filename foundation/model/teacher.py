@@ -360,9 +360,12 @@ class GEMTeacher(nn.Module):
 
     def draw_negatives(self, batch: JaggedBatch) -> torch.Tensor:
         """``[N, num_negatives]`` uniform item ids for the ``N`` next-item positions (every history token,
-        plus one per row on next_item data): from every id, or from ``negative_items`` (``negatives="used"``)."""
+        plus one per row on next_item data): from every id, or from ``negative_items`` (``negative_pool="used"``)."""
         n = batch.num_tokens + (batch.batch_size if self.next_item else 0)
-        shape, device = (n, self.cfg.num_negatives), batch.offsets.device
+        return self.sample_items((n, self.cfg.num_negatives), batch.offsets.device)
+
+    def sample_items(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Uniform item ids of ``shape``: any id below ``num_items``, or one of ``negative_items``."""
         if self.negative_items is None:
             return torch.randint(self.schema.num_items, shape, device=device)
         return self.negative_items[torch.randint(self.negative_items.numel(), shape, device=device)]
@@ -433,15 +436,15 @@ def build_sequence_block(cfg: TeacherConfig, num_suffix: int) -> nn.Module:
 
 
 def check_negative_items(cfg: TeacherConfig, schema: EventSchema, items: torch.Tensor | None) -> torch.Tensor | None:
-    """The ``[K]`` int64 ids ``negatives="used"`` draws from (None under ``"all"``), checked against the schema."""
-    if cfg.negatives == "all":
+    """The ``[K]`` int64 ids ``negative_pool="used"`` draws from (None under ``"all"``), checked against the schema."""
+    if cfg.negative_pool == "all":
         if items is not None:
-            raise ValueError("negative_items are drawn from only with teacher.negatives='used' (it is 'all')")
+            raise ValueError("negative_items are drawn from only with teacher.negative_pool='used' (it is 'all')")
         return None
-    if cfg.negatives != "used":
-        raise ValueError(f"teacher.negatives must be 'all' or 'used', got {cfg.negatives!r}")
+    if cfg.negative_pool != "used":
+        raise ValueError(f"teacher.negative_pool must be 'all' or 'used', got {cfg.negative_pool!r}")
     if items is None:
-        raise ValueError("teacher.negatives='used' needs the dataset's item ids: pass negative_items")
+        raise ValueError("teacher.negative_pool='used' needs the dataset's item ids: pass negative_items")
     if items.dim() != 1 or items.numel() == 0 or items.dtype != torch.int64:
         raise ValueError(f"negative_items must be a non-empty 1-D int64 tensor, got {items.dtype} {tuple(items.shape)}")
     if int(items.min()) < 0 or int(items.max()) >= schema.num_items:
@@ -451,5 +454,5 @@ def check_negative_items(cfg: TeacherConfig, schema: EventSchema, items: torch.T
 
 def build_teacher(cfg: TeacherConfig, schema: EventSchema, negative_items: torch.Tensor | None = None) -> GEMTeacher:
     """The GEM teacher for a dataset's schema (``ctr`` or ``next_item`` task); ``negative_items`` ``[K]``: the
-    item ids its negatives are drawn from under ``negatives="used"`` (e.g. those of ``item_ids.parquet``)."""
+    item ids its negatives are drawn from under ``negative_pool="used"`` (e.g. those of ``item_ids.parquet``)."""
     return GEMTeacher(cfg, schema, negative_items)

@@ -88,7 +88,7 @@ class TeacherConfig:
         generative: add the next-item loss to the ctr loss.
         generative_weight: its weight in the ctr loss.
         num_negatives: uniform negatives per position.
-        negatives: the ids they are drawn from: ``all`` (every id below ``num_items``, unused ones
+        negative_pool: the ids they are drawn from: ``all`` (every id below ``num_items``, unused ones
             included) or ``used`` (the dataset's item ids, handed to the model as ``negative_items``).
         in_batch_negatives: also use the batch's candidates as negatives.
         temperature: softmax temperature on cosine similarities.
@@ -140,21 +140,14 @@ class TeacherConfig:
     generative: bool = False
     generative_weight: float = 0.1
     num_negatives: int = 128
-    negatives: str = "all"
+    negative_pool: str = "all"
     in_batch_negatives: bool = False
     temperature: float = 0.05
 
     def __post_init__(self) -> None:
         self.history_features = tuple(self.history_features)
-        for name, allowed in (
-            ("interaction", INTERACTIONS),
-            ("sequence_block", SEQUENCE_BLOCKS),
-            ("query_time", QUERY_TIMES),
-            ("negatives", NEGATIVE_POOLS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"teacher.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        self.attention_norm_length(0)
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(f"teacher.interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
         unknown = set(self.history_features) - set(HISTORY_FEATURES)
         if unknown:
             raise ValueError(
@@ -180,6 +173,14 @@ class TeacherConfig:
             raise ValueError("teacher needs at least one expert (shared or per domain)")
         if not 0.0 <= self.dropout < 1.0 or self.temperature <= 0:
             raise ValueError("teacher.dropout must be in [0, 1) and teacher.temperature positive")
+        for name, allowed in (
+            ("sequence_block", SEQUENCE_BLOCKS),
+            ("query_time", QUERY_TIMES),
+            ("negative_pool", NEGATIVE_POOLS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"teacher.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.attention_norm_length(0)
         if self.ffn_hidden < 0:
             raise ValueError(f"teacher.ffn_hidden must be 0 (d_model) or positive, got {self.ffn_hidden}")
 
