@@ -20,10 +20,11 @@ Plans (``--plan``, repeatable; each run once per ``--seeds`` seed):
 - ``calibration``: ``sasrec``, ``ml1m_hstu``, ``ml1m_hstu_large`` on ``sequences``;
 - ``timebias`` / ``timebias-large``: ``ml1m_hstu`` / ``ml1m_hstu_large`` on ``ratings``, target-time
   bias (the default) against ``query_time=event`` (the old bias);
-- ``suspects``: ``ml1m_hstu`` on ``sequences``, the default and one switch at a time:
-  ``attention_norm=211`` (the reference's fixed N) and ``attention_norm=row``, the exact sigmoid
-  (``GEM_KERNELS_FAST_SIGMOID=0``), ``negative_pool=used``. Test at the best valid epoch needs no run
-  of its own: every run reports it.
+- ``suspects``: ``ml1m_hstu`` on ``sequences``, one switch at a time: ``attention_norm=211`` (the
+  reference's fixed N) and ``attention_norm=row``, the exact sigmoid (``GEM_KERNELS_FAST_SIGMOID=0``),
+  ``negative_pool=used``. Their baseline is ``calibration``'s ``ml1m_hstu`` at the same seeds (add
+  ``--plan calibration`` to run it in the same sweep). Test at the best valid epoch needs no run of
+  its own: every run reports it.
 
 ``--runs FILE`` adds runs from a JSON list of ``{"flavor", "seed", "data", "overrides": [...],
 "env": {...}}`` (``data``, ``overrides`` and ``env`` optional).
@@ -122,7 +123,6 @@ def plan_runs(plan: str, seeds: list[int]) -> list[RunSpec]:
         return _variants(flavor, "ratings", [((), {}), (("query_time=event",), {})], seeds)
     if plan == "suspects":
         switches = [
-            ((), {}),
             (("attention_norm=211",), {}),
             (("attention_norm=row",), {}),
             ((), {"GEM_KERNELS_FAST_SIGMOID": "0"}),
@@ -382,6 +382,9 @@ def sweep(args: argparse.Namespace) -> dict:
         raw = first_users(raw, out / "raw", args.users)
     labels = {name: label + (f" (first {args.users} users)" if args.users else "") for name, label in DATASETS.items()}
     datasets = {name: prepare_dataset(name, raw, out) for name in sorted({r.data for r in runs})}
+    if args.prepare_only:
+        print("\n".join(f"{name}: {path}" for name, path in datasets.items()), flush=True)
+        return {"runs": []}
     summary = {
         "path": str(out / "summary.json"),
         "command": shlex.join(["python", "-m", "experiments.ml1m_sweep", *args.argv]),
@@ -441,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default=None)
     run.add_argument("--users", type=int, default=0, help="only the first N users of the raw files (dry runs)")
     run.add_argument("--env", action="append", default=[], help="NAME=VALUE for every run (repeatable)")
+    run.add_argument("--prepare-only", action="store_true", help="convert the datasets the runs need, then stop")
     run.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
     merge_parser = commands.add_parser("merge", help="merge a summary's rows into a results file")
     merge_parser.add_argument("summary")

@@ -54,9 +54,9 @@ def test_plans():
     assert {r.flavor for r in plan_runs("timebias-large", [0])} == {"ml1m_hstu_large"}
     suspects = plan_runs("suspects", [0, 1, 2])
     assert {r.variant for r in suspects} == {
-        "default", "attention_norm=211", "attention_norm=row", "GEM_KERNELS_FAST_SIGMOID=0", "negative_pool=used"
+        "attention_norm=211", "attention_norm=row", "GEM_KERNELS_FAST_SIGMOID=0", "negative_pool=used"
     }
-    assert len(suspects) == 15 and len(set(calibration + suspects)) == 21  # the default runs are shared
+    assert {r.flavor for r in suspects} == {"ml1m_hstu"} and len(suspects) == 12
     with pytest.raises(ValueError, match="unknown plan"):
         plan_runs("everything", [0])
 
@@ -98,7 +98,9 @@ def test_datasets_are_prepared_once_and_follow_sequences(tmp_path):
     test = pq.read_table(ratings / "test").to_pylist()
     expected = {int(line.split("\t")[0]): line.split("\t")[1].split() for line in (raw / SEQUENCES).read_text().splitlines()}
     assert {r["user_id"]: [*map(str, r["history_item_ids"]), str(r["item_id"])] for r in test} == expected
+    assert main(["run", "--raw", str(raw), "--out", str(tmp_path / "out"), "--plan", "calibration", "--prepare-only"]) == 0
     sequences = prepare_dataset("sequences", raw, tmp_path / "out")
+    assert not (tmp_path / "out" / "runs").exists()
     assert prepare_dataset("sequences", raw, tmp_path / "out") == sequences  # reused
     with pytest.raises(ValueError, match="use another --out"):
         prepare_dataset("sequences", small, tmp_path / "out")
