@@ -13,6 +13,8 @@ dropout acts on its projected output instead.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -39,8 +41,12 @@ class SASRecBlock(nn.Module):
         self.ffn_in = nn.Linear(d_model, ffn_hidden)
         self.ffn_out = nn.Linear(ffn_hidden, d_model)
         self.dropout = nn.Dropout(dropout)
-        # SASRec's initialisation: Xavier-normal weight matrices, zero attention biases.
-        for linear in (self.query, self.key_value, self.output, self.ffn_in, self.ffn_out):
+        # SASRec's initialisation: Xavier-normal weight matrices (the Q/K/V projections as the one
+        # [H*(2*Dqk + Dv), d] matrix they are in the reference), zero attention biases.
+        qkv_std = math.sqrt(2.0 / (d_model + num_heads * (2 * attn_dim + value_dim)))
+        for linear in (self.query, self.key_value):
+            nn.init.normal_(linear.weight, std=qkv_std)
+        for linear in (self.output, self.ffn_in, self.ffn_out):
             nn.init.xavier_normal_(linear.weight)
         for linear in (self.query, self.key_value, self.output):
             nn.init.zeros_(linear.bias)
