@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -166,6 +167,8 @@ def run(args: argparse.Namespace) -> dict:
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
+            # The kernel switches a run was given (e.g. GEM_KERNELS_FAST_SIGMOID for the sweep's A/B).
+            "environment": {k: v for k, v in os.environ.items() if k.startswith("GEM_")},
             "teacher": cfg.__dict__ | {"history_features": list(cfg.history_features)},
             "args": vars(args),
             "epochs_run": len(history),

@@ -88,8 +88,9 @@ def test_best_valid_picks_the_earliest_best_epoch():
     assert best_valid([{"epoch": 0, "loss": 1.0}]) == {}
 
 
-def test_ml1m_script_sasrec_with_used_negatives_and_event_time(tmp_path):
+def test_ml1m_script_sasrec_with_used_negatives_and_event_time(tmp_path, monkeypatch):
     """The SASRec flavor and the A/B switches through the script; valid and test at every evaluation."""
+    monkeypatch.setenv("GEM_KERNELS_FAST_SIGMOID", "0")
     raw = tmp_path / "raw"
     raw.mkdir()
     lines = [f"{user}\t" + " ".join(str(5 * i % 40 + 3) for i in range(user, user + 12)) for user in range(1, 25)]
@@ -105,5 +106,6 @@ def test_ml1m_script_sasrec_with_used_negatives_and_event_time(tmp_path):
         best = results["best_valid"]["ndcg@10"]
         assert best["test"] == results["history"][best["epoch"]]["test"]
         assert results["final_test"]["count"] == 24
+        assert results["environment"]["GEM_KERNELS_FAST_SIGMOID"] == "0"
     assert results["teacher"]["query_time"] == "event" and results["teacher"]["attention_norm"] == "row"
     assert json.loads((tmp_path / "sasrec" / "results.json").read_text())["targets"]["hr@10"] == 0.2853
