@@ -152,6 +152,7 @@ FLAVORS: dict[str, Callable[[], ExperimentConfig]] = {
         "ml1m_hstu_large", "ml1m_hstu_large", "data/ml1m", batch_size=128, token_budget=0, max_epochs=100,
         log_every_n_steps=50,
     ),
+    "sasrec": lambda: _teacher("sasrec", "sasrec", "data/ml1m", batch_size=128, token_budget=0, max_epochs=100),
 }
 
 

@@ -180,6 +180,7 @@ def test_ml1m_flavors_keep_per_position_negatives_and_ctr_flavors_share_them():
         "large": "batch",
         "ml1m_hstu": "position",
         "ml1m_hstu_large": "position",
+        "sasrec": "position",
     }
     with pytest.raises(ValueError, match=r"teacher\.negatives"):
         TeacherConfig(negatives="row")

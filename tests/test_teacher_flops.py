@@ -49,6 +49,7 @@ def _no_attention(monkeypatch):
         return v.new_zeros(q.shape[0], v.shape[1], v.shape[2]) + 0 * v.sum() + 0 * q.sum()
 
     monkeypatch.setattr("foundation.model.hstu.jagged_attention", zeros_like_output)
+    monkeypatch.setattr("foundation.model.sasrec.jagged_attention", zeros_like_output)
     monkeypatch.setattr("foundation.model.interformer.jagged_cross_attention", zeros_like_output)
 
 
@@ -59,6 +60,10 @@ CASES = {
     "next_item_interleaved": ("next_item", {"in_batch_negatives": True}),
     "next_item_hstu": ("next_item", {"interleave": False, "num_cls": 0, "history_features": ()}),
     "next_item_per_position": ("next_item", {"negatives": "position"}),
+    "next_item_sasrec": (
+        "next_item", {"interleave": False, "num_cls": 0, "history_features": (), "sequence_block": "sasrec", "ffn_hidden": 24}
+    ),
+    "ctr_sasrec": ("ctr", {"sequence_block": "sasrec"}),
 }
 
 

@@ -71,6 +71,16 @@ def summary_flops(cfg: TeacherConfig, batch: int, num_tokens: int) -> tuple[floa
     return dense, attention
 
 
+def sequence_block_flops(cfg: TeacherConfig, num_tokens: int) -> float:
+    """Dense FLOPs of one sequence block on ``num_tokens`` tokens (attention apart): HSTU's U/V/Q/K and
+    output projections, or SASRec's Q/K/V and output projections plus its two-layer FFN."""
+    d, h = cfg.d_model, cfg.num_heads
+    if cfg.sequence_block == "sasrec":
+        ffn = 2 * mm(num_tokens, d, cfg.ffn_hidden or d)
+        return mm(num_tokens, d, h * (2 * cfg.attn_dim + cfg.value_dim)) + mm(num_tokens, h * cfg.value_dim, d) + ffn
+    return mm(num_tokens, d, h * (2 * cfg.value_dim + 2 * cfg.attn_dim)) + mm(num_tokens, h * cfg.value_dim, d)
+
+
 def teacher_flop_breakdown(
     cfg: TeacherConfig, schema: EventSchema, offsets: torch.Tensor
 ) -> dict[str, float]:
@@ -86,11 +96,10 @@ def teacher_flop_breakdown(
     with_candidate = cfg.target_aware and not next_item
     num_suffix = cfg.num_cls + int(with_candidate)
     combined = num_tokens + b * num_suffix
-    width = h * (2 * cfg.value_dim + 2 * cfg.attn_dim)
     # History tokens and (ctr) the candidates' item part (projected once; the candidate token and the
     # ctr output's item token share it).
     item_proj = 0.0 if e == d else mm(num_tokens + (0 if next_item else b), e, d)
-    layer = mm(combined, d, width) + mm(combined, h * cfg.value_dim, d)
+    layer = sequence_block_flops(cfg, combined)
     parts = {
         "sequence": item_proj + cfg.num_layers * layer,
         "attention": cfg.num_layers

@@ -8,6 +8,11 @@ per-head table over position distance plus one over log time-difference buckets.
 ``N`` is fixed by the config (the longest sequence the model is sized for), not the batch's
 longest sequence as the kernel uses, so that a user's representation does not depend on which
 other users share its batch (it is exported per user), as in HSTU, which pads to a fixed length.
+``attention_norm=0`` divides by each row's own length instead (also batch-independent).
+
+The time bias buckets ``t_i - ts_j`` where ``t_i`` is the query event's time, or with
+``query_timestamps`` the time the query is asked for (the reference HSTU's ``ts[i+1] - ts[j]``: the
+time of the event the position predicts).
 """
 
 from __future__ import annotations
@@ -64,14 +69,17 @@ class HSTUBlock(nn.Module):
         max_len: int,
         timestamps: torch.Tensor,
         num_targets: torch.Tensor | None = None,
+        query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         x: ``[L, d]`` tokens.
         offsets: ``[B+1]``.
-        max_len: longest sequence (HSTU's ``N`` in ``1/N``).
+        max_len: longest sequence of the batch (the kernel's ``N``, rescaled to ``attention_norm``).
         timestamps: ``[L]`` int64 event times for the time bias.
         num_targets: ``[B]`` or None: the last tokens of each row that see the history and
             themselves only (CLS and candidate tokens).
+        query_timestamps: ``[L]`` int64 or None: the times queries measure the time bias from
+            (None: ``timestamps``).
         """
         u, v, q, k = self.split_uvqk(x)
         with profile_region(ATTENTION):
@@ -88,9 +96,14 @@ class HSTUBlock(nn.Module):
                 pos_bias=self.pos_bias,
                 time_bias=self.time_bias,
                 timestamps=timestamps if self.time_bias is not None else None,
+                query_timestamps=query_timestamps if self.time_bias is not None else None,
             )
-        # The kernel divides by the batch's max_len; rescale to the fixed 1/N (inside the fused norm).
-        gated = apply_layer_norm(
-            self.attn_norm, attn.reshape(x.shape[0], -1), scale=max_len / self.attention_norm, gate=u
-        )
+        # The kernel divides by the batch's max_len; rescale to the fixed 1/N (inside the fused norm),
+        # or to each row's own length.
+        scale = max_len / self.attention_norm if self.attention_norm else 1.0
+        if not self.attention_norm:
+            lengths = offsets[1:] - offsets[:-1]
+            row_length = torch.repeat_interleave(lengths, lengths, output_size=x.shape[0])
+            attn = attn * (max_len / row_length.to(attn.dtype))[:, None, None]
+        gated = apply_layer_norm(self.attn_norm, attn.reshape(x.shape[0], -1), scale=scale, gate=u)
         return x + self.output(self.dropout(gated))

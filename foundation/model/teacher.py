@@ -21,7 +21,8 @@ Data flow for one batch (``L`` history tokens, ``B`` rows, ``d = d_model``)::
 
 For ``next_item`` data (e.g. MovieLens) the model is HSTU's generative recommender: every
 history position predicts the next item (the last one predicts the candidate) with sampled
-softmax, and ``score_items`` ranks the whole catalogue.
+softmax, and ``score_items`` ranks the whole catalogue. ``sequence_block="sasrec"`` swaps the HSTU
+blocks for SASRec's softmax blocks and keeps everything else (the same-data baseline).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from foundation.model.interformer import PersonalizedFFN, SequenceSummary
 from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
 from foundation.model.outputs import ModelOutput, multitask_bce
 from foundation.model.profiling import EMBEDDINGS, GENERATIVE, profile_region
+from foundation.model.sasrec import SASRecBlock
 from foundation.model.teacher_config import TEACHER_FLAVORS, TeacherConfig, teacher_flavor
 
 __all__ = ["TEACHER_FLAVORS", "GEMTeacher", "TeacherConfig", "build_teacher", "teacher_flavor"]
@@ -90,10 +92,11 @@ class GEMTeacher(nn.Module):
     L2-normalised next-item query and candidate embedding (``[B, item_dim]``).
     """
 
-    def __init__(self, cfg: TeacherConfig, schema: EventSchema) -> None:
+    def __init__(self, cfg: TeacherConfig, schema: EventSchema, negative_items: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg, self.schema = cfg, schema
         self.next_item = schema.task == "next_item"
+        self.register_buffer("negative_items", check_negative_items(cfg, schema, negative_items), persistent=False)
         d = cfg.d_model
         self.items = ItemEmbedding(schema.num_items, cfg.item_dim)
         self.history_embedding = HistoryEmbedding(cfg, schema)
@@ -105,19 +108,10 @@ class GEMTeacher(nn.Module):
         self.cls_tokens = nn.Parameter(torch.randn(cfg.num_cls, d) * 0.02)
         self.with_candidate_token = cfg.target_aware and not self.next_item
         self.num_suffix = cfg.num_cls + int(self.with_candidate_token)
-        self.blocks = nn.ModuleList(
-            HSTUBlock(
-                d,
-                cfg.num_heads,
-                cfg.attn_dim,
-                cfg.value_dim,
-                dropout=cfg.dropout,
-                alpha=cfg.attn_alpha,
-                pos_buckets=cfg.pos_buckets,
-                time_buckets=cfg.time_buckets,
-                attention_norm=cfg.max_len + self.num_suffix,
-            )
-            for _ in range(cfg.num_layers)
+        self.blocks = nn.ModuleList(build_sequence_block(cfg, self.num_suffix) for _ in range(cfg.num_layers))
+        # The target-time bias (query_time="target") needs each position's next event time.
+        self.target_time = (
+            cfg.sequence_block == "hstu" and cfg.time_buckets > 0 and cfg.resolved_query_time(self.next_item) == "target"
         )
         self.num_user_tokens = self.build_interleaving(cfg, schema)
         self.with_queries = self.next_item or cfg.generative
@@ -244,6 +238,7 @@ class GEMTeacher(nn.Module):
         timestamps = layout.combine(
             batch.history["timestamps"], batch.timestamp[:, None].expand(b, self.num_suffix)
         )
+        query_timestamps = self.query_timestamps(batch, layout) if self.target_time else None
         num_targets = layout.num_targets() if self.num_suffix else None
         max_len = max(batch.max_len + self.num_suffix, 1)  # a batch of empty histories still has N >= 1
         rows = token_rows(layout.offsets, seq.shape[0]) if self.cfg.interleave else None
@@ -251,7 +246,7 @@ class GEMTeacher(nn.Module):
         for layer, block in enumerate(self.blocks):
             if self.cfg.interleave:
                 seq = self.pffns[layer](seq, rows, user_tokens)
-            seq = block(seq, layout.offsets, max_len, timestamps, num_targets)
+            seq = block(seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps)
             if self.cfg.interleave and layer < len(self.summaries):
                 summary = self.summarize(layer, seq, layout, batch)
                 user_tokens = self.user_interactions[layer](torch.cat([user_tokens, summary], dim=1))
@@ -262,6 +257,15 @@ class GEMTeacher(nn.Module):
             history, suffix, user_tokens, summary, item_features, history_vectors, candidate_vectors,
             candidate_items, pooled, negative_ids, negative_vectors if negative_ids is not None else None,
         )
+
+    def query_timestamps(self, batch: JaggedBatch, layout: SuffixLayout) -> torch.Tensor:
+        """``[L + B*S]`` the time each token's attention measures its time bias from (``query_time="target"``).
+
+        A history token predicts the next event, so it takes that event's time; a row's last history
+        token and its CLS/candidate tokens take the row's time (the candidate's, or the impression's).
+        """
+        next_times, _ = next_item_targets(batch.history["timestamps"], batch.offsets, batch.timestamp)
+        return layout.combine(next_times, batch.timestamp[:, None].expand(batch.batch_size, self.num_suffix))
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -374,13 +378,19 @@ class GEMTeacher(nn.Module):
         }
 
     def draw_negatives(self, batch: JaggedBatch) -> torch.Tensor:
-        """Uniform item ids: ``[num_negatives]`` shared by the batch (``negatives="batch"``), or
-        ``[N, num_negatives]`` for its ``N`` next-item positions (every history token, plus one per row on
-        next_item data)."""
+        """Uniform item ids (from every id, or from ``negative_items`` under ``negative_pool="used"``):
+        ``[num_negatives]`` shared by the batch (``negatives="batch"``), or ``[N, num_negatives]`` for its ``N``
+        next-item positions (every history token, plus one per row on next_item data)."""
         shape = (self.cfg.num_negatives,)
         if self.cfg.negatives == "position":
             shape = (batch.num_tokens + (batch.batch_size if self.next_item else 0), *shape)
-        return torch.randint(self.schema.num_items, shape, device=batch.offsets.device)
+        return self.sample_items(shape, batch.offsets.device)
+
+    def sample_items(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Uniform item ids of ``shape``: any id below ``num_items``, or one of ``negative_items``."""
+        if self.negative_items is None:
+            return torch.randint(self.schema.num_items, shape, device=device)
+        return self.negative_items[torch.randint(self.negative_items.numel(), shape, device=device)]
 
     def loss(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor]:
         """``{"loss", ...terms}``: the generative loss (next_item), or masked BCE per task (ctr) plus,
@@ -427,7 +437,47 @@ def pairwise_dots(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens @ tokens.transpose(1, 2))[:, i, j]
 
 
-def build_teacher(cfg: TeacherConfig, schema: EventSchema) -> GEMTeacher:
-    """The GEM teacher for a dataset's schema (``ctr`` or ``next_item`` task)."""
+def build_sequence_block(cfg: TeacherConfig, num_suffix: int) -> nn.Module:
+    """One layer of the sequence arch (``cfg.sequence_block``); ``num_suffix`` CLS/target tokens per row."""
+    if cfg.sequence_block == "sasrec":
+        return SASRecBlock(
+            cfg.d_model, cfg.num_heads, cfg.attn_dim, cfg.value_dim, ffn_hidden=cfg.ffn_hidden or cfg.d_model,
+            dropout=cfg.dropout,
+        )
+    if cfg.sequence_block != "hstu":
+        raise ValueError(f"teacher.sequence_block must be 'hstu' or 'sasrec', got {cfg.sequence_block!r}")
+    return HSTUBlock(
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.attn_dim,
+        cfg.value_dim,
+        dropout=cfg.dropout,
+        alpha=cfg.attn_alpha,
+        pos_buckets=cfg.pos_buckets,
+        time_buckets=cfg.time_buckets,
+        attention_norm=cfg.attention_norm_length(num_suffix),
+    )
+
+
+def check_negative_items(cfg: TeacherConfig, schema: EventSchema, items: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[K]`` int64 ids ``negative_pool="used"`` draws from (None under ``"all"``), checked against the schema."""
+    if cfg.negative_pool == "all":
+        if items is not None:
+            raise ValueError("negative_items are drawn from only with teacher.negative_pool='used' (it is 'all')")
+        return None
+    if cfg.negative_pool != "used":
+        raise ValueError(f"teacher.negative_pool must be 'all' or 'used', got {cfg.negative_pool!r}")
+    if items is None:
+        raise ValueError("teacher.negative_pool='used' needs the dataset's item ids: pass negative_items")
+    if items.dim() != 1 or items.numel() == 0 or items.dtype != torch.int64:
+        raise ValueError(f"negative_items must be a non-empty 1-D int64 tensor, got {items.dtype} {tuple(items.shape)}")
+    if int(items.min()) < 0 or int(items.max()) >= schema.num_items:
+        raise ValueError(f"negative_items must lie in [0, num_items={schema.num_items}), got {int(items.min())}..{int(items.max())}")
+    return items.clone()
+
+
+def build_teacher(cfg: TeacherConfig, schema: EventSchema, negative_items: torch.Tensor | None = None) -> GEMTeacher:
+    """The GEM teacher for a dataset's schema (``ctr`` or ``next_item`` task); ``negative_items`` ``[K]``: the
+    item ids its negatives are drawn from under ``negative_pool="used"`` (e.g. those of ``item_ids.parquet``)."""
     cfg.check()
-    return GEMTeacher(cfg, schema)
+    return GEMTeacher(cfg, schema, negative_items)
