@@ -17,14 +17,25 @@ non-blocking copies), stopping early at ``--time-limit`` seconds of training. Se
 
 Reported (stdout and ``--json``): time to the first finished step from process start and from
 the start of the model build; steady-state tokens/s, TFLOP/s and MFU over the steps after
-``--warmup`` (each step timed end to end, data wait included; FLOPs from ``model.flops`` on the
-host batch, valid tokens only; peak from :func:`foundation.model.flops.peak_flops`); peak GPU
+``--warmup`` (each step timed end to end, data wait included; model FLOPs from ``model.flops`` on
+the host batch, valid tokens only; peak from :func:`foundation.model.flops.peak_flops`); peak GPU
 memory (``torch.cuda.max_memory_allocated``); the loss of the first and last steps. ``--profile N``
 then runs ``N`` more steps under ``torch.profiler`` and prints (and stores) the operators and kernels
-that took the most device time.
+that took the most device time, and the kernel time per step by group (generative loss, attention,
+embeddings, optimizer, GEMM, elementwise/norm, other: :mod:`experiments.kernel_groups`) with the share
+of the step the GPU sat idle.
+
+``--sync-check`` (CUDA) runs one more step under ``torch.cuda.set_sync_debug_mode`` and lists where it
+made the host wait for the GPU.
+
+``--compare-losses REF.json`` prints the largest per-step loss difference against another run's
+``--json`` over the steps both ran (same seed and data: the same batches, which it checks), e.g. the
+fused glue kernels against ``--glue-backend pytorch``. ``--record docs/results/teacher_mfu.json`` appends
+the headline figures (MFU, tokens/s, median step, first step after the build, the command, date and
+device) to that file as one row.
 
 ``--backend pytorch`` runs every attention of the model on the padded PyTorch reference (through
-``GEM_ATTENTION_BACKEND``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
+the kernel switch ``backend``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
 short ``--max-history`` and a small budget. On CUDA out-of-memory the run retries at half the
 token budget (``--oom-retries`` times) and records every failed budget; the model then keeps
 the steps it took before (its first reported loss is not a fresh model's). Results are in
@@ -34,14 +45,18 @@ the steps it took before (its first reported loss is not a fresh model's). Resul
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 _T0 = time.perf_counter()
@@ -62,12 +77,14 @@ def process_age_s() -> float:
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from experiments.kernel_groups import kernel_breakdown  # noqa: E402
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  # noqa: E402
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
 from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
+from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
 
 PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
 
@@ -137,22 +154,52 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
             print(f"time limit {args.time_limit} s reached after {len(times)} steps", flush=True)
             break
     trace = {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
+    extra = next(batches, None) if args.sync_check and use_cuda else None
+    if extra is not None:
+        trace["sync_points"] = find_sync_points(step, extra)
     if args.profile:
         trace["profile"] = profile_steps(step, batches, args.profile, use_cuda)
     return trace
 
 
-def profile_steps(step, batches, num_steps: int, use_cuda: bool) -> str:
+def find_sync_points(step, batch) -> list[dict]:
+    """One more step under CUDA's sync debug mode: where (file:line) it made the host wait for the GPU.
+
+    Anything that reads a device value on the host (``.item()``, ``.tolist()``, ``bool(tensor)``,
+    value-dependent shapes) is reported; places in this file are the step's own timing.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = Counter(
+        "/".join(Path(w.filename).parts[-3:]) + f":{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    points = [{"where": k, "count": n} for k, n in where.most_common()]
+    print(f"host syncs in one step: {sum(where.values())} at {len(points)} places: {json.dumps(points)}", flush=True)
+    return points
+
+
+def profile_steps(step, batches, num_steps: int, use_cuda: bool) -> dict:
     """``torch.profiler`` over the next ``num_steps`` steps: the operators and kernels that took the most
-    device time (host time on CPU), as a table; printed and kept in the JSON."""
+    device time (host time on CPU) as a table, and the kernel time by group; printed and kept in the JSON."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    steps = 0
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _, batch in zip(range(num_steps), batches, strict=False):
             step(batch)
+            steps += 1
+        wall = time.perf_counter() - start
     sort_by = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=20, max_name_column_width=60)
     print(table, flush=True)
-    return table
+    groups = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall)
+    print("kernel time per step by group (ms): " + json.dumps({k: round(v, 2) for k, v in groups["groups_ms_per_step"].items()}), flush=True)
+    return {"table": table, "groups": groups}
 
 
 def summarize(trace: dict, warmup: int, peak: float | None) -> dict:
@@ -195,9 +242,57 @@ def summarize(trace: dict, warmup: int, peak: float | None) -> dict:
     }
 
 
+def compare_losses(trace: dict, reference_path: str) -> dict:
+    """The largest per-step loss difference against another run's ``--json`` over the steps both ran."""
+    reference = json.loads(Path(reference_path).read_text())["trace"]
+    n = min(len(trace["losses"]), len(reference["losses"]))
+    diffs = [abs(a - b) for a, b in zip(trace["losses"][:n], reference["losses"][:n], strict=True)]
+    same = all(trace[k][:n] == reference[k][:n] for k in ("tokens", "rows", "max_lens"))
+    worst = max(range(n), key=diffs.__getitem__) if n else None
+    return {
+        "reference": reference_path,
+        "steps": n,
+        "same_batches": same,
+        "max_abs_diff": diffs[worst] if n else None,
+        "at_step": worst + 1 if n else None,
+        "max_rel_diff": max((d / max(abs(b), 1e-12) for d, b in zip(diffs, reference["losses"], strict=False)), default=None),
+        "mean_abs_diff": sum(diffs) / n if n else None,
+    }
+
+
+def command_line(argv: list[str]) -> str:
+    """How this run was started, with the environment variables that change what it measures."""
+    env = [f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("GEM_") or k == "TRITON_CACHE_AUTOTUNING"]
+    return " ".join([*env, "python -m experiments.bench_teacher", *map(shlex.quote, argv)])
+
+
+def record_row(path: Path, result: dict, command: str, label: str | None) -> dict:
+    """Append this run's headline figures to ``path`` (``{"rows": [...]}``), atomically."""
+    row = {
+        "max_history": result["max_history"],
+        "mfu": result.get("steady_mfu"),
+        "tokens_per_s": result["steady_tokens_per_s"],
+        "step_ms_median": result["step_ms_median"],
+        "first_step_after_build_s": result["first_step_from_build_s"],
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+        "device": result["device_name"],
+    }
+    if label:
+        row["label"] = label
+    table = json.loads(path.read_text()) if path.is_file() else {"rows": []}
+    if not isinstance(table.get("rows"), list):
+        raise ValueError(f"{path}: expected an object with a 'rows' list")
+    table["rows"].append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=2) + "\n")
+    os.replace(tmp, path)
+    return row
+
+
 def run(args: argparse.Namespace) -> dict:
-    if args.backend != "auto":
-        os.environ["GEM_ATTENTION_BACKEND"] = args.backend
+    apply_kernel_settings(KernelSettings(backend=args.backend, glue_backend=args.glue_backend))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
     torch.set_float32_matmul_precision("high")
@@ -251,6 +346,8 @@ def run(args: argparse.Namespace) -> dict:
             "flavor": args.flavor,
             "backend": args.backend,
             "resolved_backend": args.backend if args.backend != "auto" else ("triton" if device.type == "cuda" else "pytorch"),
+            "glue_backend": args.glue_backend,
+            "negatives": cfg.negatives,
             "precision": args.precision,
             "token_budget": budget,
             "oom_token_budgets": failed,
@@ -294,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
     parser.add_argument("--time-limit", type=float, default=120.0, help="stop training after this many seconds")
     parser.add_argument("--backend", default="auto", choices=("auto", "pytorch", "triton"))
+    parser.add_argument(
+        "--glue-backend", default="auto", choices=("auto", "pytorch", "triton"),
+        help="the fused LayerNorm and row modulation (kernel switch glue_backend): pytorch = the unfused references",
+    )
     parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--data", default=None, help="world dir: reused if it holds a dataset, else generated")
@@ -308,15 +409,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", type=int, default=0, help="after the timed steps, profile this many more (torch.profiler table)"
     )
+    parser.add_argument(
+        "--sync-check", action="store_true", help="after the timed steps, list where one more step syncs with the host (CUDA)"
+    )
+    parser.add_argument("--compare-losses", default=None, metavar="REF.json", help="another run's --json to compare losses with")
+    parser.add_argument("--record", default=None, metavar="PATH", help="append the headline figures to this JSON table")
+    parser.add_argument("--record-label", default=None, help="a label for the recorded row (e.g. 'after issue 15')")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.compare_losses and not Path(args.compare_losses).is_file():
+        raise SystemExit(f"--compare-losses: {args.compare_losses} does not exist")
+    command = command_line(argv)
     result = run(args)
+    if args.compare_losses:
+        result["loss_comparison"] = compare_losses(result["trace"], args.compare_losses)
+    result["command"] = command
+    if args.record:
+        result["recorded_row"] = record_row(Path(args.record), result, result["command"], args.record_label)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     summary = {k: v for k, v in result.items() if k not in ("trace", "args", "world")}
+    if "profile" in result["trace"]:
+        summary["kernel_groups"] = result["trace"]["profile"]["groups"]
+    if "sync_points" in result["trace"]:
+        summary["sync_points"] = result["trace"]["sync_points"]
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 

@@ -90,7 +90,8 @@ def synth_preset(name: str, **overrides) -> SynthConfig:
 
 def _ml1m_teacher(num_layers: int, num_heads: int) -> TeacherConfig:
     """HSTU's published ML-1M setup: item ids only, relative position+time bias, d=50, dropout 0.2,
-    sampled softmax with 128 uniform negatives at temperature 0.05 on L2-normalised embeddings."""
+    sampled softmax with 128 uniform negatives per position at temperature 0.05 on L2-normalised
+    embeddings (``negatives=batch`` shares them per batch: the A/B in docs/benchmarks.md)."""
     return TeacherConfig(
         d_model=50,
         item_dim=50,
@@ -109,6 +110,7 @@ def _ml1m_teacher(num_layers: int, num_heads: int) -> TeacherConfig:
         num_recent=0,
         target_aware=False,
         num_negatives=128,
+        negatives="position",
         in_batch_negatives=False,
         temperature=0.05,
         # HSTU's reference implementation does not scale QKᵀ.
@@ -144,6 +146,14 @@ def _debug_teacher() -> TeacherConfig:
     )
 
 
+def _sasrec_teacher() -> TeacherConfig:
+    """The SASRec baseline of HSTU's ML-1M table on the same data path, loss and evaluation: 2 blocks, 1
+    head, d=50, learned absolute positions, FFN 50 wide, dropout 0.2, scaled dot-product softmax."""
+    return _ml1m_teacher(num_layers=2, num_heads=1).replace(
+        sequence_block="sasrec", time_buckets=0, ffn_hidden=50, attn_alpha=None
+    )
+
+
 TEACHER_FLAVORS: dict[str, TeacherConfig] = {
     # `debug` and `large` train the generative next-item objective beside click/conversion, which makes
     # score_items meaningful on ctr data; on the default world it cost click NE (docs/benchmarks.md,
@@ -157,8 +167,8 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
     # same model memorised within one epoch and lost to the DLRM by .04 NE. 64 events is what was
     # measured (it beat 32, and the DLRM at 256); longer histories need the GPU's kernels to train fast.
     "small": _debug_teacher().replace(interleave=False, num_cls=0, num_recent=0, generative=False),
-    # Sized for one H200 with long sequences (pair with a token budget of ~16k tokens per batch: at
-    # 32k the generative loss's per-position negatives alone take ~8 GiB; see docs/benchmarks.md):
+    # Sized for one H200 with long sequences (a token budget of ~16k tokens per batch was measured; the
+    # generative loss shares its 512 negatives per batch, see docs/benchmarks.md):
     # ~85M parameters in the HSTU blocks and ~410M dense parameters in all; the sequence arch
     # (blocks, PFFN, PMA, attention) takes almost all the FLOPs.
     "large": TeacherConfig(
@@ -190,6 +200,7 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
     ),
     "ml1m_hstu": _ml1m_teacher(num_layers=2, num_heads=1),
     "ml1m_hstu_large": _ml1m_teacher(num_layers=8, num_heads=2),
+    "sasrec": _sasrec_teacher(),
 }
 
 
@@ -321,6 +332,9 @@ FLAVORS: dict[str, Callable[[], ExperimentConfig]] = {
     "ml1m_hstu_large": lambda: _teacher(
         "ml1m_hstu_large", "ml1m_hstu_large", "data/ml1m", batch_size=128, token_budget=0, max_epochs=100,
         log_every_n_steps=50,
+    ),
+    "sasrec": lambda: _teacher(
+        "sasrec", "sasrec", "data/ml1m", batch_size=128, token_budget=0, max_epochs=100, log_every_n_steps=50
     ),
 }
 

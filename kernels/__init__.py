@@ -22,15 +22,22 @@ from contextvars import ContextVar
 import torch
 
 from kernels import settings
+from kernels.glue import jagged_silu_modulate, layer_norm
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 
-__all__ = ["ACTIVATIONS", "jagged_attention", "jagged_cross_attention", "route_jagged_attention"]
+__all__ = [
+    "ACTIVATIONS",
+    "jagged_attention",
+    "jagged_cross_attention",
+    "jagged_silu_modulate",
+    "layer_norm",
+    "route_jagged_attention",
+]
 
 # Context parallelism (foundation/parallel/context.py) computes the model's unchanged jagged_attention calls on
 # one rank's tokens against every rank's keys; it takes them over through this route.
 _ATTENTION_ROUTE: ContextVar[Callable[..., torch.Tensor] | None] = ContextVar("jagged_attention_route", default=None)
 
-_BACKENDS = ("auto", "pytorch", "triton")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -87,15 +94,13 @@ def _check_bias(name: str, table: torch.Tensor | None, heads: int, q: torch.Tens
         raise ValueError(f"{name} must be a non-empty floating table on {q.device}")
 
 
+def _check_timestamps(name: str, ts: torch.Tensor, q: torch.Tensor) -> None:
+    if not isinstance(ts, torch.Tensor) or ts.shape != (q.shape[0],) or ts.dtype != torch.int64 or ts.device != q.device:
+        raise ValueError(f"{name} must be int64 [L]=[{q.shape[0]}] on {q.device}, got {getattr(ts, 'shape', ts)}")
+
+
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        forced = settings.backend()
-        if forced != "auto":
-            return forced
-        return "triton" if q.is_cuda else "pytorch"
-    return backend
+    return settings.resolve_backend(backend, settings.backend(), q.is_cuda)
 
 
 @contextlib.contextmanager
@@ -130,6 +135,7 @@ def jagged_attention(
     pos_bias: torch.Tensor | None = None,
     time_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Self-attention inside each sequence of a jagged batch (HSTU GDPA or softmax).
@@ -158,8 +164,11 @@ def jagged_attention(
         pos_bias: ``[H, P]`` or ``[1, P]`` learnable table; adds ``pos_bias[h, min(|p(i) - p(j)|,
             P - 1)]``.
         time_bias: ``[H, T]`` or ``[1, T]`` learnable table; adds ``time_bias[h, bucket]`` with
-            ``bucket = min(floor(ln(max(|ts_i - ts_j|, 1)) / 0.301), T - 1)``.
-        timestamps: ``[L]`` int64 event times; required with ``time_bias``.
+            ``bucket = min(floor(ln(max(|qts_i - ts_j|, 1)) / 0.301), T - 1)``.
+        timestamps: ``[L]`` int64 event times ``ts``; required with ``time_bias``.
+        query_timestamps: ``[L]`` int64 or None: the time ``qts_i`` each query measures its
+            distance to the keys from; None means ``timestamps``. HSTU's target-time bias passes
+            the time of the event each position predicts (``ts[i + 1]``). Only with ``time_bias``.
         backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"pytorch"`` or
             ``"triton"``.
 
@@ -174,6 +183,8 @@ def jagged_attention(
         return route(
             q, k, v, offsets, max_len, activation=activation, causal=causal, alpha=alpha, num_targets=num_targets,
             window=window, pos_bias=pos_bias, time_bias=time_bias, timestamps=timestamps, backend=backend,
+            # Routes written before query_timestamps existed keep working for every call that omits it.
+            **({} if query_timestamps is None else {"query_timestamps": query_timestamps}),
         )
     _check_qkv(q, k, v, same_rows=True)
     _check_activation(activation)
@@ -197,8 +208,11 @@ def jagged_attention(
     if time_bias is not None:
         if timestamps is None:
             raise ValueError("timestamps [L] are required with time_bias")
-        if timestamps.shape != (q.shape[0],) or timestamps.dtype != torch.int64 or timestamps.device != q.device:
-            raise ValueError(f"timestamps must be int64 [L]=[{q.shape[0]}] on {q.device}, got {timestamps.shape}")
+        _check_timestamps("timestamps", timestamps, q)
+    if query_timestamps is not None:
+        if time_bias is None:
+            raise ValueError("query_timestamps [L] only enter the time bias; pass time_bias with them")
+        _check_timestamps("query_timestamps", query_timestamps, q)
     kwargs = dict(
         activation=activation,
         causal=causal,
@@ -208,6 +222,7 @@ def jagged_attention(
         pos_bias=pos_bias,
         time_bias=time_bias,
         timestamps=timestamps,
+        query_timestamps=query_timestamps,
     )
     if _resolve_backend(backend, q) == "triton":
         from kernels.triton.jagged_attention import jagged_attention as impl

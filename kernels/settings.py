@@ -18,6 +18,8 @@ field               environment variable          meaning
                                                   config (quick compiles for checks) (``0``/``1``)
 ``fast_sigmoid``    ``GEM_KERNELS_FAST_SIGMOID``  the approximate ``tanh.approx`` sigmoid on CUDA
                                                   (``0``/``1``)
+``glue_backend``    ``GEM_GLUE_BACKEND``          what ``backend="auto"`` calls of :mod:`kernels.glue`
+                                                  (fused LayerNorm, row modulation) run, as ``backend``
 ==================  ============================  =====================================================
 """
 
@@ -34,6 +36,7 @@ ENVIRONMENT = {
     "tma": "GEM_KERNELS_TMA",
     "autotune": "GEM_KERNELS_AUTOTUNE",
     "fast_sigmoid": "GEM_KERNELS_FAST_SIGMOID",
+    "glue_backend": "GEM_GLUE_BACKEND",
 }
 _FLAGS = {"0": False, "1": True}
 
@@ -47,10 +50,12 @@ class KernelSettings:
     tma: bool | None = None
     autotune: bool = True
     fast_sigmoid: bool = True
+    glue_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"kernels.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for field in ("backend", "glue_backend"):
+            if getattr(self, field) not in BACKENDS:
+                raise ValueError(f"kernels.{field} must be one of {BACKENDS}, got {getattr(self, field)!r}")
 
 
 _applied = KernelSettings()
@@ -75,14 +80,35 @@ def _flag(field: str, configured: bool | None) -> bool | None:
     return _FLAGS[raw]
 
 
+def _choice(field: str) -> str:
+    raw = _override(field)
+    if raw is None:
+        return getattr(_applied, field)
+    if raw not in BACKENDS:
+        raise ValueError(f"{ENVIRONMENT[field]} must be one of {BACKENDS}, got {raw!r}")
+    return raw
+
+
 def backend() -> str:
     """The effective ``backend`` switch."""
-    raw = _override("backend")
-    if raw is None:
-        return _applied.backend
-    if raw not in BACKENDS:
-        raise ValueError(f"GEM_ATTENTION_BACKEND must be one of {BACKENDS}, got {raw!r}")
-    return raw
+    return _choice("backend")
+
+
+def glue_backend() -> str:
+    """The effective ``glue_backend`` switch."""
+    return _choice("glue_backend")
+
+
+def resolve_backend(requested: str, forced: str, on_cuda: bool) -> str:
+    """The backend a call runs: ``requested`` unless it is ``auto``; then ``forced`` (a switch) unless that
+    is ``auto`` too; then Triton on CUDA tensors and the PyTorch reference elsewhere."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if forced != "auto":
+        return forced
+    return "triton" if on_cuda else "pytorch"
 
 
 def deterministic() -> bool:
@@ -108,7 +134,12 @@ def fast_sigmoid() -> bool:
 def effective_kernel_settings() -> KernelSettings:
     """The switches the kernels use now: the applied settings with the environment's overrides."""
     return KernelSettings(
-        backend=backend(), deterministic=deterministic(), tma=tma(), autotune=autotune(), fast_sigmoid=fast_sigmoid()
+        backend=backend(),
+        deterministic=deterministic(),
+        tma=tma(),
+        autotune=autotune(),
+        fast_sigmoid=fast_sigmoid(),
+        glue_backend=glue_backend(),
     )
 
 

@@ -1,3 +1,4 @@
+import gzip
 import json
 import os
 from pathlib import Path
@@ -212,6 +213,94 @@ def test_existing_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "s.tsv"]
 
 
+@pytest.mark.parametrize("name", ["ratings.dat.gz", "ratings.dat"])
+def test_gzip_input_by_content(tmp_path, name):
+    """Gzip is recognised by its magic bytes, whatever the file is called; the result is the plain file's."""
+    plain = ml_dat(tmp_path / "plain.dat")
+    src = tmp_path / name
+    src.write_bytes(gzip.compress(plain.read_bytes()))
+    stats = convert("movielens-dat", src, tmp_path / "ds", ids="keep")
+    assert stats["interactions"] == 8 and stats["bad_lines"] == 0
+    check_user1(tmp_path / "ds", True)
+
+
+def test_gzip_bad_line_is_numbered(tmp_path):
+    src = tmp_path / "in.txt.gz"
+    src.write_bytes(gzip.compress(b"1::10::5::1\n1::x::5::2\n"))
+    with pytest.raises(DataValidationError, match=r"in\.txt\.gz: line 2: field MovieID"):
+        convert("movielens-dat", src, tmp_path / "ds")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_gzip_is_one_line_error(tmp_path, damage):
+    data = bytearray(gzip.compress(ml_dat(tmp_path / "plain.dat").read_bytes() * 50))
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    src = tmp_path / "ratings.dat.gz"
+    src.write_bytes(bytes(data))
+    with pytest.raises(DataValidationError) as info:
+        convert("movielens-dat", src, tmp_path / "ds")
+    message = str(info.value)
+    assert message.startswith(f"{src}: corrupt gzip input after line ") and "\n" not in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert not (tmp_path / "ds").exists()
+
+
+def test_ties_rules(tmp_path):
+    """User 1 has items 30 and 40 tied at timestamp 200, 30 first in the file."""
+    src = ml_dat(tmp_path / "ratings.dat")
+    by_file = convert("movielens-dat", src, tmp_path / "file", ids="keep")
+    assert by_file["ties"] == "file" and by_file["tied_events"] == 2
+    assert read_split(tmp_path / "file", "test")[1]["history_item_ids"] == [20, 30, 40, 10]
+
+    reference = seq_tsv(tmp_path / "ref.tsv", {1: [20, 40, 30, 10, 50], 3: [7, 8, 9], 9: [1, 2, 3]})
+    stats = convert("movielens-dat", src, tmp_path / "seq", ids="keep", ties="sequence", ties_reference=reference)
+    assert stats["ties_unreferenced"] == 0 and stats["ties_reference"] == str(reference)
+    test = read_split(tmp_path / "seq", "test")
+    assert test[1]["history_item_ids"] == [20, 40, 30, 10] and test[1]["history_timestamps"] == [100, 200, 200, 300]
+    assert test[3]["history_item_ids"] == [7, 8]
+
+    # Ids are descending in the file at the tie, and the reference orders only items it knows.
+    events = [(1, 9, 5, 1), (1, 8, 5, 5), (1, 7, 5, 5), (1, 6, 5, 5), (1, 5, 5, 9)]
+    src = ml_dat(tmp_path / "tie.dat", events)
+    convert("movielens-dat", src, tmp_path / "item", ids="keep", ties="item")
+    assert read_split(tmp_path / "item", "test")[1]["history_item_ids"] == [9, 6, 7, 8]
+    reference = seq_tsv(tmp_path / "ref2.tsv", {1: [9, 6, 8, 5]})
+    stats = convert("movielens-dat", src, tmp_path / "part", ids="keep", ties="sequence", ties_reference=reference)
+    assert stats["ties_unreferenced"] == 1
+    assert read_split(tmp_path / "part", "test")[1]["history_item_ids"] == [9, 6, 8, 7]
+
+
+def test_ties_repeated_pairs_follow_occurrences(tmp_path):
+    """The k-th event of a repeated (user, item) pair takes the place of its k-th occurrence in the reference."""
+    events = [(1, 5, 5, 1), (1, 6, 5, 2), (1, 5, 5, 2), (1, 7, 5, 3)]
+    src = ml_dat(tmp_path / "r.dat", events)
+    reference = seq_tsv(tmp_path / "ref.tsv", {1: [5, 5, 6, 7]})
+    convert("movielens-dat", src, tmp_path / "ds", ids="keep", ties="sequence", ties_reference=reference)
+    test = read_split(tmp_path / "ds", "test")[1]
+    assert test["history_item_ids"] == [5, 5, 6] and test["item_id"] == 7
+
+
+def test_ties_bad_arguments(tmp_path):
+    src = ml_dat(tmp_path / "ratings.dat")
+    with pytest.raises(ValueError, match="ties"):
+        convert("movielens-dat", src, tmp_path / "ds", ties="random")
+    with pytest.raises(ValueError, match="ties_reference"):
+        convert("movielens-dat", src, tmp_path / "ds", ties="sequence")
+    with pytest.raises(ValueError, match="ties_reference"):
+        convert("movielens-dat", src, tmp_path / "ds", ties_reference=src)
+    with pytest.raises(FileNotFoundError, match=r"missing\.tsv"):
+        convert("movielens-dat", src, tmp_path / "ds", ties="sequence", ties_reference=tmp_path / "missing.tsv")
+    with pytest.raises(ValueError, match="no timestamps"):
+        convert("seq-tsv", seq_tsv(tmp_path / "s.tsv"), tmp_path / "ds", ties="item")
+    bad_reference = write(tmp_path / "bad.tsv", "1\t20 x\n")
+    with pytest.raises(DataValidationError, match=r"bad\.tsv: line 1"):
+        convert("movielens-dat", src, tmp_path / "ds", ties="sequence", ties_reference=bad_reference)
+    assert not (tmp_path / "ds").exists()
+
+
 def test_every_format_is_tested():
     assert {fmt for fmt, *_ in BAD_LINES} == set(FORMATS)
 
@@ -239,3 +328,32 @@ def test_ml1m_sequences(tmp_path):
     line = shared_ml1m().open().readline().split("\t")
     assert first["user_id"] == int(line[0])
     assert first["history_item_ids"] + [first["item_id"]] == [int(x) for x in line[1].split()]
+
+
+def shared_ratings_subset() -> Path:
+    return shared_ml1m().parent / "ratings-users-0001-2999.dat.gz"
+
+
+@pytest.mark.data
+@pytest.mark.skipif(
+    not (shared_ml1m().is_file() and shared_ratings_subset().is_file()),
+    reason="ML-1M sequences.tsv and ratings-users-0001-2999.dat.gz not present (../shared/data)",
+)
+def test_ml1m_ratings_subset_follows_sequences(tmp_path):
+    """With ties='sequence' the timestamped subset reproduces sequences.tsv's order for its 2,999 users."""
+    stats = convert(
+        "movielens-dat", shared_ratings_subset(), tmp_path / "ts", ties="sequence", ties_reference=shared_ml1m()
+    )
+    assert stats["users"] == 2999 and stats["interactions"] == 487_650 and stats["ties_unreferenced"] == 0
+    assert stats["tied_events"] > 0
+    schema = EventSchema.load(tmp_path / "ts")
+    test = pa.concat_tables([open_shard(p, schema).read() for p in list_shards(tmp_path / "ts", "test")])
+    expected = {}
+    with shared_ml1m().open() as f:
+        for line in f:
+            user, items = line.split("\t")
+            if int(user) <= 2999:
+                expected[int(user)] = [int(x) for x in items.split()]
+    for row in test.to_pylist():
+        assert row["history_item_ids"] + [row["item_id"]] == expected[row["user_id"]]
+        assert row["history_timestamps"] == sorted(row["history_timestamps"]) and row["timestamp"] >= row["history_timestamps"][-1]

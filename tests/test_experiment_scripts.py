@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from experiments import bench_teacher
@@ -72,12 +73,47 @@ def test_small_teacher_learns_the_synthetic_world_and_beats_the_constant_predict
 
 def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     """`bench_teacher --profile N` (what found the bias-gradient hot spot): the timed steps, then a
-    profiler table of N more, in the JSON."""
-    out = tmp_path / "bench.json"
+    profiler table of N more and their time by group, in the JSON; a second run compares its losses with
+    the first and both append a row to the results table."""
+    out, table = tmp_path / "bench.json", tmp_path / "results" / "teacher_mfu.json"
     argv = ["--flavor", "debug", "--steps", "2", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
-            "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"), "--profile", "1",
-            "--json", str(out)]
-    assert bench_teacher.main(argv) == 0
+            "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"), "--record", str(table)]
+    assert bench_teacher.main([*argv, "--profile", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["steps_run"] == 2 and result["losses_finite"]
-    assert "aten::" in result["trace"]["profile"] and "Self CPU" in result["trace"]["profile"]
+    assert result["steps_run"] == 2 and result["losses_finite"] and result["negatives"] == "batch"
+    profile = result["trace"]["profile"]
+    assert "aten::" in profile["table"] and "Self CPU" in profile["table"]
+    groups = profile["groups"]["groups_ms_per_step"]
+    # The debug flavor has every part: each named range and the optimizer's own range get time.
+    assert all(groups[g] > 0 for g in ("generative_loss", "attention", "embeddings", "optimizer", "gemm"))
+    assert sum(groups.values()) == pytest.approx(profile["groups"]["kernel_ms_per_step"])
+    again = tmp_path / "again.json"
+    argv += ["--glue-backend", "pytorch", "--compare-losses", str(out), "--json", str(again), "--record-label", "b"]
+    assert bench_teacher.main(argv) == 0
+    comparison = json.loads(again.read_text())["loss_comparison"]
+    # On CPU both runs use the references: the same batches give the same losses.
+    assert comparison["same_batches"] and comparison["steps"] == 2 and comparison["max_abs_diff"] == 0
+    rows = json.loads(table.read_text())["rows"]
+    assert [r.get("label") for r in rows] == [None, "b"] and rows[1]["command"].endswith("--record-label b")
+    assert set(rows[0]) == {
+        "max_history", "mfu", "tokens_per_s", "step_ms_median", "first_step_after_build_s", "command", "date", "device"
+    }
+
+
+def test_kernel_names_fall_into_their_groups():
+    """Kernels outside the teacher's ranges are grouped by name (CUDA names as the H200 profiles show them)."""
+    from experiments.kernel_groups import name_group
+
+    names = {
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "gemm",
+        "aten::addmm": "gemm",
+        "_bwd_dkdv_kernel": "attention",
+        "_fwd_kernel": "attention",
+        "_ln_fwd_kernel": "elementwise_norm",
+        "_modulate_bwd_kernel": "elementwise_norm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise_norm",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, true>": "elementwise_norm",
+        "Memcpy HtoD (Pinned -> Device)": "other",
+    }
+    assert {n: name_group(n) for n in names} == names

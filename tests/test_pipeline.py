@@ -116,3 +116,28 @@ def test_batch_moves_and_pins(dataset):
     moved = batch.to("cpu")
     assert torch.equal(moved.offsets, batch.offsets)
     assert moved.sparse.keys() == batch.sparse.keys()
+
+
+def test_cached_blocks_give_the_same_batches_and_read_each_row_group_once(dataset, monkeypatch):
+    import foundation.data.pipeline as pipeline
+
+    reads = []
+    real = pipeline.iter_valid_row_groups
+
+    def counting(shard, *args, row_groups, **kwargs):
+        reads.append((shard, *row_groups))
+        return real(shard, *args, row_groups=row_groups, **kwargs)
+
+    monkeypatch.setattr(pipeline, "iter_valid_row_groups", counting)
+    plain = EventStream(dataset, "train", _cfg(dataset), training=True)
+    cached = EventStream(dataset, "train", _cfg(dataset), training=True, cache_blocks=True)
+    for epoch in range(3):
+        plain.set_epoch(epoch)
+        cached.set_epoch(epoch)
+        before = len(reads)
+        expected = list(plain)
+        units = len(reads) - before
+        got = list(cached)
+        assert [b.example_id.tolist() for b in got] == [b.example_id.tolist() for b in expected]
+        assert all(torch.equal(g.history["item_ids"], e.history["item_ids"]) for g, e in zip(got, expected, strict=True))
+        assert len(reads) - before - units == (units if epoch == 0 else 0)

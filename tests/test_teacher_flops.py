@@ -1,5 +1,6 @@
 """The teacher's FLOP counter: attention pairs agree with the kernels' count, dense FLOPs agree with
-``torch.utils.flop_counter`` on the real forward+loss, and the MFU helpers."""
+``torch.utils.flop_counter`` on the real forward+loss and on the real training step (forward+backward),
+and the MFU helpers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from foundation.model import flops as teacher_flops_module
 from foundation.model.flops import (
+    data_input_flops,
     peak_flops,
     self_attention_pairs,
     teacher_flop_breakdown,
@@ -17,7 +19,7 @@ from foundation.model.flops import (
 )
 from foundation.model.jagged import SuffixLayout
 from foundation.model.teacher import build_teacher
-from kernels.flops import BACKWARD_FACTOR, valid_pairs
+from kernels.flops import valid_pairs
 from tests.teacher_batches import CTR_SCHEMA, NEXT_ITEM_SCHEMA, make_batch, tiny_config
 
 LENGTHS = [0, 1, 7, 4, 12]
@@ -47,6 +49,7 @@ def _no_attention(monkeypatch):
         return v.new_zeros(q.shape[0], v.shape[1], v.shape[2]) + 0 * v.sum() + 0 * q.sum()
 
     monkeypatch.setattr("foundation.model.hstu.jagged_attention", zeros_like_output)
+    monkeypatch.setattr("foundation.model.sasrec.jagged_attention", zeros_like_output)
     monkeypatch.setattr("foundation.model.interformer.jagged_cross_attention", zeros_like_output)
 
 
@@ -56,11 +59,16 @@ CASES = {
     "ctr_plain": ("ctr", {"interleave": False, "target_aware": False}),
     "next_item_interleaved": ("next_item", {"in_batch_negatives": True}),
     "next_item_hstu": ("next_item", {"interleave": False, "num_cls": 0, "history_features": ()}),
+    "next_item_per_position": ("next_item", {"negatives": "position"}),
+    "next_item_sasrec": (
+        "next_item", {"interleave": False, "num_cls": 0, "history_features": (), "sequence_block": "sasrec", "ffn_hidden": 24}
+    ),
+    "ctr_sasrec": ("ctr", {"sequence_block": "sasrec"}),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_dense_flops_match_torch_flop_counter(case, monkeypatch):
+def _counted(case: str, monkeypatch, *, backward: bool):
+    """``(FLOPs torch's counter saw, cfg, schema, batch)`` for one loss (and backward) of a case, attention-free."""
     task, changes = CASES[case]
     schema = CTR_SCHEMA if task == "ctr" else NEXT_ITEM_SCHEMA
     cfg = tiny_config(**changes)
@@ -70,23 +78,40 @@ def test_dense_flops_match_torch_flop_counter(case, monkeypatch):
     _no_attention(monkeypatch)
     counter = FlopCounterMode(display=False)
     with counter:
-        model.loss(batch, model(batch))
+        loss = model.loss(batch, model(batch))["loss"]
+        if backward:
+            loss.backward()
+    return counter.get_total_flops(), cfg, schema, batch
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dense_flops_match_torch_flop_counter(case, monkeypatch):
+    counted, cfg, schema, batch = _counted(case, monkeypatch, backward=False)
     parts = teacher_flop_breakdown(cfg, schema, batch.offsets)
     dense = sum(v for k, v in parts.items() if k != "attention")
-    assert counter.get_total_flops() == pytest.approx(dense, rel=1e-9)
+    assert counted == pytest.approx(dense, rel=1e-9)
     assert parts["attention"] > 0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_training_step_dense_flops_match_torch_flop_counter(case, monkeypatch):
+    """Forward + backward as the optimiser step needs it: every product's input and weight gradients, except
+    the input gradient of layers fed by data."""
+    counted, cfg, schema, batch = _counted(case, monkeypatch, backward=True)
+    attention = teacher_flop_breakdown(cfg, schema, batch.offsets)["attention"]
+    assert counted == pytest.approx(teacher_flops(cfg, schema, batch.offsets) - 3 * attention, rel=1e-9)
+    assert (data_input_flops(cfg, schema, batch.batch_size) > 0) == (schema is CTR_SCHEMA)
 
 
 def test_training_step_flops_weigh_backward():
     cfg = tiny_config()
     offsets = torch.tensor([0, 3, 3, 10])
     parts = teacher_flop_breakdown(cfg, CTR_SCHEMA, offsets)
-    dense = sum(v for k, v in parts.items() if k != "attention")
-    assert teacher_flops(cfg, CTR_SCHEMA, offsets, training=False) == pytest.approx(
-        dense + parts["attention"]
-    )
+    forward = sum(parts.values())
+    assert teacher_flops(cfg, CTR_SCHEMA, offsets, training=False) == pytest.approx(forward)
+    # Model FLOPs: attention's backward is 2x its forward too (the kernels' recomputed QKᵀ is not counted).
     assert teacher_flops(cfg, CTR_SCHEMA, offsets) == pytest.approx(
-        3 * dense + (1 + BACKWARD_FACTOR) * parts["attention"]
+        3 * forward - data_input_flops(cfg, CTR_SCHEMA, 3)
     )
     longer = teacher_flops(cfg, CTR_SCHEMA, torch.tensor([0, 6, 6, 20]))
     assert longer > teacher_flops(cfg, CTR_SCHEMA, offsets)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from experiments.ml1m_hstu import main
+from experiments.ml1m_hstu import best_valid, main
 
 
 @pytest.fixture(autouse=True)
@@ -73,3 +73,39 @@ def test_ml1m_script_on_real_users(tmp_path):
     assert results["history"][0]["steps"] == 2
     final = results["final_test"]
     assert final["count"] == 16 and 0.0 <= final["ndcg@10"] <= final["hr@10"] <= final["hr@200"] <= 1.0
+
+
+def test_best_valid_picks_the_earliest_best_epoch():
+    history = [
+        {"epoch": 0, "loss": 1.0},
+        {"epoch": 4, "valid": {"hr@10": 0.2, "ndcg@10": 0.10}, "test": {"hr@10": 0.21}},
+        {"epoch": 9, "valid": {"hr@10": 0.3, "ndcg@10": 0.12}, "test": {"hr@10": 0.25}},
+        {"epoch": 14, "valid": {"hr@10": 0.3, "ndcg@10": 0.11}, "test": {"hr@10": 0.27}},
+    ]
+    best = best_valid(history)
+    assert best["hr@10"]["epoch"] == 9 and best["hr@10"]["test"] == {"hr@10": 0.25}
+    assert best["ndcg@10"]["epoch"] == 9
+    assert best_valid([{"epoch": 0, "loss": 1.0}]) == {}
+
+
+def test_ml1m_script_sasrec_with_used_negatives_and_event_time(tmp_path, monkeypatch):
+    """The SASRec flavor and the A/B switches through the script; valid and test at every evaluation."""
+    monkeypatch.setenv("GEM_KERNELS_FAST_SIGMOID", "0")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = [f"{user}\t" + " ".join(str(5 * i % 40 + 3) for i in range(user, user + 12)) for user in range(1, 25)]
+    (raw / "sequences.tsv").write_text("\n".join(lines) + "\n")
+    for flavor, overrides in (("sasrec", ["negative_pool=used"]), ("ml1m_hstu", ["query_time=event", "attention_norm=row"])):
+        out = tmp_path / flavor
+        args = ["--data", str(raw), "--out", str(out), "--flavor", flavor, "--epochs", "2", "--eval-every", "1"]
+        assert main([*args, "--batch-size", "8", "--device", "cpu", *overrides]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["teacher"]["sequence_block"] == ("sasrec" if flavor == "sasrec" else "hstu")
+        assert all({"valid", "test"} <= set(r) for r in results["history"])
+        assert set(results["best_valid"]) == {"hr@10", "ndcg@10"}
+        best = results["best_valid"]["ndcg@10"]
+        assert best["test"] == results["history"][best["epoch"]]["test"]
+        assert results["final_test"]["count"] == 24
+        assert results["environment"]["GEM_KERNELS_FAST_SIGMOID"] == "0"
+    assert results["teacher"]["query_time"] == "event" and results["teacher"]["attention_norm"] == "row"
+    assert json.loads((tmp_path / "sasrec" / "results.json").read_text())["targets"]["hr@10"] == 0.2853

@@ -67,7 +67,8 @@ class JaggedBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.offsets[-1])
+        """``L``, from a shape: reading ``offsets[-1]`` would sync a GPU batch with the host."""
+        return self.history["item_ids"].shape[0]
 
     @property
     def lengths(self) -> torch.Tensor:

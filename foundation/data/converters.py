@@ -8,10 +8,25 @@ Formats (``fmt`` of :func:`convert`):
   user already in time order (SASRec's ``data/*.txt``);
 - ``seq-tsv``: ``user<TAB>item item ...`` per line, one line per user, oldest item first.
 
+Input may be gzip-compressed, whatever its name: a file that starts with the gzip magic bytes is
+read through ``gzip`` (e.g. ``ratings.dat.gz``); a corrupt or truncated gzip stream raises
+:class:`~foundation.data.validate.DataValidationError` naming the file.
+
 Every interaction is a positive (ratings are not thresholded, as in the HSTU/SASRec protocol), so
 every row has ``click = 1`` and ``conversion`` null. A user's items ``i_1 .. i_n`` are put in time
-order by a stable sort on the timestamp (ties keep file order); formats without timestamps use the
-position index ``0 .. n-1`` as the timestamp.
+order by a sort on the timestamp; formats without timestamps use the position index ``0 .. n-1`` as
+the timestamp. Events of one user that share a timestamp are ordered by ``ties`` (:data:`TIE_RULES`):
+
+- ``"file"`` (default): file order (a stable sort);
+- ``"sequence"``: the order of a reference sequence file ``ties_reference`` in ``seq-tsv`` format,
+  e.g. ML-1M's ``sequences.tsv``, so that a timestamped file reproduces that file's order and
+  leave-one-out targets. The ``k``-th event of a (user, item) pair takes the place of the pair's
+  ``k``-th occurrence in the reference; events the reference lacks follow the referenced ones of
+  their tie, in file order, and are counted (``ties_unreferenced``);
+- ``"item"``: ascending item id, a rule that no file order can change.
+
+Only the order inside a tie changes; the statistics count the events that share their user's
+timestamp with another (``tied_events``).
 
 Splits (leave-one-out, one row per user and split; ``history`` = ``history_*`` columns, oldest first,
 never truncated — the pipeline caps lengths):
@@ -64,13 +79,15 @@ dataset or none of it; ``schema.json`` is written last)::
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,8 +99,11 @@ from foundation.data.schema import EventSchema
 from foundation.data.validate import DataValidationError
 
 FORMATS = ("movielens-dat", "movielens-csv", "sasrec", "seq-tsv")
+TIMESTAMPED_FORMATS = ("movielens-dat", "movielens-csv")
 PROTOCOLS = ("hstu", "holdout")
 ID_MODES = ("auto", "keep", "dense")
+TIE_RULES = ("file", "sequence", "item")
+GZIP_MAGIC = b"\x1f\x8b"
 MIN_INTERACTIONS = 3
 MOVIELENS_CSV_HEADER = ("userId", "movieId", "rating", "timestamp")
 STATS_FILE = "conversion.json"
@@ -97,6 +117,29 @@ class _BadField(Exception):
         super().__init__(f"field {field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+def is_gzip(path: Path) -> bool:
+    """Whether ``path`` starts with the gzip magic bytes (its name does not matter)."""
+    with open(path, "rb") as f:
+        return f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+
+
+def open_input(path: Path):
+    """``path`` opened for binary reading, through ``gzip`` when its content is gzip-compressed."""
+    return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb")
+
+
+def _read_lines(path: Path, f: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """``(line_number, raw_line)``; a corrupt or truncated gzip stream becomes a one-line error."""
+    number = 0
+    try:
+        for number, raw in enumerate(f, start=1):
+            yield number, raw
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataValidationError(
+            f"{path}: corrupt gzip input after line {number}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _non_negative_int(token: bytes, name: str) -> int:
@@ -142,8 +185,8 @@ class _LineReader:
     def lines(self) -> Iterator[tuple[int, bytes]]:
         # Binary mode: a stray non-UTF-8 byte then becomes a bad id on a numbered line, not a decode
         # error with no line number.
-        with open(self.path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
+        with open_input(self.path) as f:
+            for number, raw in _read_lines(self.path, f):
                 line = raw.rstrip(b"\r\n")
                 if line.strip():
                     yield number, line
@@ -303,6 +346,57 @@ def _split_rows(
     return pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
 
 
+def _occurrence(keys: np.ndarray) -> np.ndarray:
+    """``[N]`` how many earlier elements of ``keys[N]`` (in array order) equal each element."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    group_start = np.repeat(starts, np.diff(np.concatenate([starts, [len(keys)]])))
+    occurrence = np.empty(len(keys), np.int64)
+    occurrence[order] = np.arange(len(keys)) - group_start
+    return occurrence
+
+
+def _reference_rank(users: np.ndarray, items: np.ndarray, reference: Path) -> np.ndarray:
+    """``[N]`` position in the ``seq-tsv`` file ``reference`` of each (user, item) event (raw ids, file
+    order; the ``k``-th occurrence of a pair maps to the pair's ``k``-th occurrence there), or
+    ``int64`` max for events the reference lacks."""
+    ref = _parse_seq_tsv(reference, "error")
+    rank = np.full(len(users), _INT64_MAX, np.int64)
+    if not len(ref.users) or not len(users):
+        return rank
+    span = int(max(items.max(), ref.items.max())) + 1
+    if (int(max(users.max(), ref.users.max())) + 1) * span > _INT64_MAX:
+        raise ValueError(f"{reference}: user and item ids too large to match events for ties='sequence'")
+    ref_keys = ref.users * span + ref.items
+    ref_order = np.argsort(ref_keys, kind="stable")
+    ref_sorted = ref_keys[ref_order]
+    keys = users * span + items
+    index = np.searchsorted(ref_sorted, keys, "left") + _occurrence(keys)
+    found = index < len(ref_sorted)
+    found[found] = ref_sorted[index[found]] == keys[found]
+    rank[found] = ref_order[index[found]]
+    return rank
+
+
+def _tie_rank(ties: str, users: np.ndarray, items: np.ndarray, reference: Path | None) -> np.ndarray | None:
+    """The secondary sort key of events that share a user and a timestamp (None: file order)."""
+    if ties == "item":
+        return items
+    if ties == "sequence":
+        return _reference_rank(users, items, reference)
+    return None
+
+
+def _count_tied(users: np.ndarray, stamps: np.ndarray) -> int:
+    """Events whose user has another event at the same timestamp (``users``/``stamps`` sorted by both)."""
+    same = (users[1:] == users[:-1]) & (stamps[1:] == stamps[:-1])
+    tied = np.zeros(len(users), bool)
+    tied[1:] |= same
+    tied[:-1] |= same
+    return int(tied.sum())
+
+
 def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     """Rename the finished ``tmp`` directory to ``out_dir``; an old dataset is replaced only if asked."""
     if out_dir.exists():
@@ -336,6 +430,8 @@ def convert(
     rows_per_shard: int = 4096,
     protocol: str = "hstu",
     ids: str = "auto",
+    ties: str = "file",
+    ties_reference: str | Path | None = None,
     overwrite: bool = False,
 ) -> dict:
     """Convert the sequence file ``src`` in format ``fmt`` into a next-item dataset at ``out_dir``.
@@ -348,24 +444,31 @@ def convert(
         rows_per_shard: rows (users) per Parquet shard.
         protocol: ``"hstu"`` or ``"holdout"``; what the train split holds (module docstring).
         ids: ``"auto"``, ``"keep"`` or ``"dense"``; how user and item ids are mapped.
+        ties: one of :data:`TIE_RULES`; the order of a user's events that share a timestamp (module
+            docstring). Only formats with timestamps have ties.
+        ties_reference: the ``seq-tsv`` file whose order ``ties="sequence"`` follows.
         overwrite: replace an existing non-empty ``out_dir``.
 
     Returns:
         Statistics (also written to ``out_dir/conversion.json``): ``users``, ``items`` (distinct, after
         dropping), ``interactions`` (kept), ``dropped_users``, ``dropped_interactions``, ``bad_lines``,
         ``num_users``/``num_items`` (schema cardinalities), ``user_ids``/``item_ids`` (``keep`` or
-        ``dense``), ``rows`` and ``shards`` per split, plus the arguments that shaped the output.
+        ``dense``), ``rows`` and ``shards`` per split, ``tied_events`` (events sharing their user's
+        timestamp) and, under ``ties="sequence"``, ``ties_unreferenced``, plus the arguments that
+        shaped the output.
 
     Raises:
-        FileNotFoundError: ``src`` does not exist.
-        DataValidationError: a malformed line under ``policy="error"``, a bad CSV header, or no user
-            left with at least :data:`MIN_INTERACTIONS` interactions.
+        FileNotFoundError: ``src`` (or ``ties_reference``) does not exist.
+        DataValidationError: a malformed line under ``policy="error"`` (in ``ties_reference``: any), a
+            bad CSV header, a corrupt gzip stream, or no user left with at least
+            :data:`MIN_INTERACTIONS` interactions.
     """
     for name, value, allowed in (
         ("fmt", fmt, FORMATS),
         ("policy", policy, POLICIES),
         ("protocol", protocol, PROTOCOLS),
         ("ids", ids, ID_MODES),
+        ("ties", ties, TIE_RULES),
     ):
         if value not in allowed:
             raise ValueError(f"unknown {name} {value!r}; choose one of {allowed}")
@@ -374,6 +477,12 @@ def convert(
     src, out_dir = Path(src), Path(out_dir)
     if not src.is_file():
         raise FileNotFoundError(f"{src}: input file for the {fmt} converter not found")
+    if ties != "file" and fmt not in TIMESTAMPED_FORMATS:
+        raise ValueError(f"ties={ties!r}: the {fmt} format has no timestamps, so no ties to order")
+    if (ties == "sequence") != (ties_reference is not None):
+        raise ValueError("ties_reference (a seq-tsv file) is required with ties='sequence' and only with it")
+    if ties_reference is not None and not Path(ties_reference).is_file():
+        raise FileNotFoundError(f"{ties_reference}: reference sequence file for ties='sequence' not found")
 
     parsed = _PARSERS[fmt](src, policy)
 
@@ -389,11 +498,14 @@ def convert(
     user_distinct, user_n, users, user_mode = _id_map(raw_users, ids)
     item_distinct, item_n, items, item_mode = _id_map(raw_items, ids)
 
+    tie_rank = None
     if parsed.timestamps is None:
         order = np.argsort(users, kind="stable")
     else:
         stamps = parsed.timestamps[kept]
-        order = np.lexsort((stamps, users))  # stable: ties keep file order
+        tie_rank = _tie_rank(ties, raw_users, raw_items, Path(ties_reference) if ties_reference else None)
+        # lexsort is stable: what the keys leave tied keeps file order.
+        order = np.lexsort((stamps, users) if tie_rank is None else (tie_rank, stamps, users))
         stamps = stamps[order]
     users, items = users[order], items[order]
     run_start = np.flatnonzero(np.concatenate([[True], users[1:] != users[:-1]]))
@@ -425,9 +537,14 @@ def convert(
         "num_items": schema.num_items,
         "user_ids": user_mode,
         "item_ids": item_mode,
+        "ties": ties,
+        "tied_events": _count_tied(users, stamps) if parsed.timestamps is not None else 0,
         "rows": {},
         "shards": {},
     }
+    if ties == "sequence":
+        stats["ties_reference"] = str(ties_reference)
+        stats["ties_unreferenced"] = int((tie_rank == _INT64_MAX).sum())
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Not mkdtemp: its 0700 mode would survive the rename; mkdir honours the umask like any dataset.

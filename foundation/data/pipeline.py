@@ -158,6 +158,8 @@ def build_batch(
         values=torch.from_numpy(np.concatenate(kjt_values).astype(np.int64)) if keys else torch.zeros(0, dtype=torch.int64),
         lengths=torch.from_numpy(np.concatenate(kjt_lengths).astype(np.int32)) if keys else torch.zeros(0, dtype=torch.int32),
         stride=batch_size,
+        # Known here on the host; torchrec would otherwise sum the lengths on the device and sync to read them.
+        length_per_key=[int(lengths.sum()) for lengths in kjt_lengths],
     )
     scalars = {c: torch.from_numpy(cat(lambda b, r, c=c: b.scalars[c][r])) for c in SCALAR_FIELDS}
     return JaggedBatch(
@@ -218,7 +220,9 @@ class EventStream(IterableDataset):
     """Streams ``JaggedBatch`` es of one split for one rank; see the module docstring for the order.
 
     ``set_epoch`` picks the epoch's shuffle; ``set_skip`` says how many batches of each stream were
-    already consumed (exact resume). Bad rows are handled by ``cfg.policy``.
+    already consumed (exact resume). Bad rows are handled by ``cfg.policy``. ``cache_blocks`` keeps the
+    validated row groups in memory after their first read (small datasets read in the main process:
+    each epoch then only shuffles and packs).
     """
 
     def __init__(
@@ -230,6 +234,7 @@ class EventStream(IterableDataset):
         training: bool,
         rank: int = 0,
         world_size: int = 1,
+        cache_blocks: bool = False,
     ) -> None:
         self.dataset_dir = Path(dataset_dir)
         self.schema = EventSchema.load(self.dataset_dir)
@@ -242,6 +247,8 @@ class EventStream(IterableDataset):
         self.skip: dict[int, int] = {}
         self.first_worker_stream = 0
         self.quarantine = QuarantineLog(self.dataset_dir)
+        # Validated row groups kept across epochs (in this process: DataLoader workers have their own copy).
+        self.blocks: dict[tuple[Path, int], RowBlock] | None = {} if cache_blocks else None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -263,6 +270,18 @@ class EventStream(IterableDataset):
             units = [units[i] for i in order]
         return units[stream::num_streams]
 
+    def load_block(self, shard: Path, row_group: int) -> RowBlock:
+        """One row group, validated under ``cfg.policy``; read once when the stream caches blocks."""
+        if self.blocks is not None and (shard, row_group) in self.blocks:
+            return self.blocks[shard, row_group]
+        ((_, table),) = iter_valid_row_groups(
+            shard, self.schema, policy=self.cfg.policy, quarantine=self.quarantine, row_groups=[row_group]
+        )
+        block = table_to_block(table, self.schema)
+        if self.blocks is not None:
+            self.blocks[shard, row_group] = block
+        return block
+
     def __iter__(self) -> Iterator[JaggedBatch]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
@@ -271,10 +290,7 @@ class EventStream(IterableDataset):
         packer = _Packer(self.cfg.batch_size, self.cfg.token_budget, self.cfg.max_len)
         index = 0
         for shard, rg in self.stream_units(stream, self.world_size * workers):
-            ((_, table),) = iter_valid_row_groups(
-                shard, self.schema, policy=self.cfg.policy, quarantine=self.quarantine, row_groups=[rg]
-            )
-            block = table_to_block(table, self.schema)
+            block = self.load_block(shard, rg)
             order = np.arange(block.num_rows)
             if self.shuffle:
                 order = np.random.default_rng([self.cfg.seed, self.epoch, rg, *shard.stem.encode()]).permutation(order)

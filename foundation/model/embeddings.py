@@ -156,13 +156,14 @@ class HistoryEmbedding(nn.Module):
         return self.scale * self.item_proj(item_vectors)
 
     def forward(
-        self, batch: JaggedBatch, item_vectors: torch.Tensor, candidate_vectors: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, batch: JaggedBatch, item_vectors: torch.Tensor, candidate_vectors: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """History and candidate tokens, in one call so that FSDP gathers the parameters once, around it.
 
         Args:
             item_vectors: ``[L, item_dim]`` the history items, looked up by the caller in the shared table.
-            candidate_vectors: ``[B, item_dim]`` the candidates, from the same table.
+            candidate_vectors: ``[B, item_dim]`` the candidates, from the same table; None when the caller
+                needs no candidate token (next_item data), and then both candidate outputs are None.
 
         Returns:
             ``tokens[L, d_model]`` history tokens; ``candidate_items[B, d_model]`` the candidates' item
@@ -170,8 +171,12 @@ class HistoryEmbedding(nn.Module):
             the label: absent); ``pooled[B, P, d_model]`` the item part averaged over each history's
             events and over its clicked events (``P = 2`` with ``pooled_history``, else 0).
         """
-        candidate_items = self.embed_items(candidate_vectors)
-        candidate_tokens = candidate_items + self.domain(batch.domain) if self.domain is not None else candidate_items
+        candidate_items = candidate_tokens = None
+        if candidate_vectors is not None:
+            candidate_items = self.embed_items(candidate_vectors)
+            candidate_tokens = candidate_items
+            if self.domain is not None:
+                candidate_tokens = candidate_items + self.domain(batch.domain)
         history = batch.history
         tokens = self.embed_items(item_vectors)
         rows = token_rows(batch.offsets, tokens.shape[0])

@@ -1,12 +1,19 @@
-"""Matmul FLOPs of the GEM teacher on valid tokens only, and MFU / tokens-per-second helpers.
+"""Model FLOPs of the GEM teacher on valid tokens only, and MFU / tokens-per-second helpers.
 
-Conventions (those of :mod:`kernels.flops`): a ``[m, k] @ [k, n]`` product costs ``2·m·k·n``; only
-matrix products count (no elementwise work, no embedding lookups); attention counts only the
-(query, key) pairs that attend. A training step costs the forward plus a backward of 2x the forward
-for dense layers and :data:`kernels.flops.BACKWARD_FACTOR` x for attention.
+Conventions: a ``[m, k] @ [k, n]`` product costs ``2·m·k·n``; only matrix products count (no
+elementwise work, no embedding lookups). A training step costs the forward plus a backward of 2x the
+forward (the input and weight gradients), except for layers fed by data (``dense_proj``), which need
+no input gradient and cost 1x.
 
-The count mirrors :class:`foundation.model.teacher.GEMTeacher`; ``tests/test_teacher_flops.py``
-checks it against ``torch.utils.flop_counter`` on the dense layers.
+Attention counts only the (query, key) pairs that attend (:func:`self_attention_pairs`: causal pairs
+inside each history plus every target's history and itself; PMA seeds times history tokens): never
+the padded or masked pairs a kernel tile may compute. Its forward is ``2·(Dqk + Dv)`` per pair and head
+(``QKᵀ`` and ``PV``) and its backward 2x that (``dV``, ``dP``, ``dQ``, ``dK``). The kernels' backward
+also recomputes ``QKᵀ`` (:data:`kernels.flops.BACKWARD_FACTOR` = 2.5 counts it, for kernel
+throughput); that is rematerialisation, not model work, so MFU leaves it out, as PaLM's definition does.
+
+``tests/test_teacher_flops.py`` checks the dense count against ``torch.utils.flop_counter`` on the real
+forward and on the real forward+backward.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ import torch
 
 from foundation.data.schema import TASKS, EventSchema
 from foundation.model.teacher_config import TeacherConfig
-from kernels.flops import BACKWARD_FACTOR, attention_flops
+from kernels.flops import attention_flops
+
+# Model FLOPs of a backward pass per forward FLOP: two products (input and weight gradients) per product.
+MODEL_BACKWARD_FACTOR = 2.0
 
 # Dense (no sparsity) peak matmul throughput in FLOP/s, by device name fragment and precision.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -61,6 +71,16 @@ def summary_flops(cfg: TeacherConfig, batch: int, num_tokens: int) -> tuple[floa
     return dense, attention
 
 
+def sequence_block_flops(cfg: TeacherConfig, num_tokens: int) -> float:
+    """Dense FLOPs of one sequence block on ``num_tokens`` tokens (attention apart): HSTU's U/V/Q/K and
+    output projections, or SASRec's Q/K/V and output projections plus its two-layer FFN."""
+    d, h = cfg.d_model, cfg.num_heads
+    if cfg.sequence_block == "sasrec":
+        ffn = 2 * mm(num_tokens, d, cfg.ffn_hidden or d)
+        return mm(num_tokens, d, h * (2 * cfg.attn_dim + cfg.value_dim)) + mm(num_tokens, h * cfg.value_dim, d) + ffn
+    return mm(num_tokens, d, h * (2 * cfg.value_dim + 2 * cfg.attn_dim)) + mm(num_tokens, h * cfg.value_dim, d)
+
+
 def teacher_flop_breakdown(
     cfg: TeacherConfig, schema: EventSchema, offsets: torch.Tensor
 ) -> dict[str, float]:
@@ -76,11 +96,10 @@ def teacher_flop_breakdown(
     with_candidate = cfg.target_aware and not next_item
     num_suffix = cfg.num_cls + int(with_candidate)
     combined = num_tokens + b * num_suffix
-    width = h * (2 * cfg.value_dim + 2 * cfg.attn_dim)
-    # History tokens and the candidates' item part (projected once; the candidate token and the ctr
-    # output's item token share it).
-    item_proj = 0.0 if e == d else mm(num_tokens + b, e, d)
-    layer = mm(combined, d, width) + mm(combined, h * cfg.value_dim, d)
+    # History tokens and (ctr) the candidates' item part (projected once; the candidate token and the
+    # ctr output's item token share it).
+    item_proj = 0.0 if e == d else mm(num_tokens + (0 if next_item else b), e, d)
+    layer = sequence_block_flops(cfg, combined)
     parts = {
         "sequence": item_proj + cfg.num_layers * layer,
         "attention": cfg.num_layers
@@ -149,16 +168,23 @@ def ctr_output_flops(
     return towers + dense + stack + experts + gates
 
 
+def data_input_flops(cfg: TeacherConfig, schema: EventSchema, batch: int) -> float:
+    """Forward FLOPs of the layers whose input is data (no input gradient): the dense-feature projection."""
+    if schema.task == "next_item" or not schema.dense_dim:
+        return 0.0
+    return mm(batch, schema.dense_dim, cfg.d_model)
+
+
 def teacher_flops(
     cfg: TeacherConfig, schema: EventSchema, offsets: torch.Tensor, *, training: bool = True
 ) -> float:
-    """FLOPs of one forward (``training=False``) or forward+backward step on a batch with ``offsets[B+1]``."""
+    """Model FLOPs of one forward (``training=False``) or forward+backward step on a batch with ``offsets[B+1]``."""
     parts = teacher_flop_breakdown(cfg, schema, offsets)
-    attention = parts.pop("attention")
-    dense = sum(parts.values())
+    forward = sum(parts.values())
     if not training:
-        return dense + attention
-    return 3.0 * dense + (1.0 + BACKWARD_FACTOR) * attention
+        return forward
+    # Layers fed by data skip the input gradient: their backward is 1x their forward, not 2x.
+    return (1.0 + MODEL_BACKWARD_FACTOR) * forward - data_input_flops(cfg, schema, offsets.numel() - 1)
 
 
 def precision_key(precision: str) -> str:

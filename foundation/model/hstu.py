@@ -1,12 +1,18 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
 ``U, V, Q, K = silu(W·LN(x))``; ``A = silu(alpha·QKᵀ + rel_bias)/N · V`` (causal, through
-:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``. The relative bias is a learned
+:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm one fused kernel
+(:func:`kernels.layer_norm`). The relative bias is a learned
 per-head table over position distance plus one over log time-difference buckets.
 
 ``N`` is fixed by the config (the longest sequence the model is sized for), not the batch's
 longest sequence as the kernel uses, so that a user's representation does not depend on which
 other users share its batch (it is exported per user), as in HSTU, which pads to a fixed length.
+``attention_norm=0`` divides by each row's own length instead (also batch-independent).
+
+The time bias buckets ``t_i - ts_j`` where ``t_i`` is the query event's time, or with
+``query_timestamps`` the time the query is asked for (the reference HSTU's ``ts[i+1] - ts[j]``: the
+time of the event the position predicts).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foundation.model.norms import apply_layer_norm
+from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_attention
 
 
@@ -50,7 +58,7 @@ class HSTUBlock(nn.Module):
         """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``."""
         h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
         u, v, q, k = torch.split(
-            nn.functional.silu(self.uvqk(self.input_norm(x))), [h * dv, h * dv, h * dqk, h * dqk], -1
+            nn.functional.silu(self.uvqk(apply_layer_norm(self.input_norm, x))), [h * dv, h * dv, h * dqk, h * dqk], -1
         )
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
@@ -61,31 +69,41 @@ class HSTUBlock(nn.Module):
         max_len: int,
         timestamps: torch.Tensor,
         num_targets: torch.Tensor | None = None,
+        query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         x: ``[L, d]`` tokens.
         offsets: ``[B+1]``.
-        max_len: longest sequence (HSTU's ``N`` in ``1/N``).
+        max_len: longest sequence of the batch (the kernel's ``N``, rescaled to ``attention_norm``).
         timestamps: ``[L]`` int64 event times for the time bias.
         num_targets: ``[B]`` or None: the last tokens of each row that see the history and
             themselves only (CLS and candidate tokens).
+        query_timestamps: ``[L]`` int64 or None: the times queries measure the time bias from
+            (None: ``timestamps``).
         """
         u, v, q, k = self.split_uvqk(x)
-        attn = jagged_attention(
-            q,
-            k,
-            v,
-            offsets,
-            max_len,
-            activation="silu",
-            causal=True,
-            alpha=self.alpha,
-            num_targets=num_targets,
-            pos_bias=self.pos_bias,
-            time_bias=self.time_bias,
-            timestamps=timestamps if self.time_bias is not None else None,
-        )
-        # The kernel divides by the batch's max_len; rescale to the fixed 1/N.
-        attn = attn * (max_len / self.attention_norm)
-        gated = self.attn_norm(attn.reshape(x.shape[0], -1)) * u
+        with profile_region(ATTENTION):
+            attn = jagged_attention(
+                q,
+                k,
+                v,
+                offsets,
+                max_len,
+                activation="silu",
+                causal=True,
+                alpha=self.alpha,
+                num_targets=num_targets,
+                pos_bias=self.pos_bias,
+                time_bias=self.time_bias,
+                timestamps=timestamps if self.time_bias is not None else None,
+                query_timestamps=query_timestamps if self.time_bias is not None else None,
+            )
+        # The kernel divides by the batch's max_len; rescale to the fixed 1/N (inside the fused norm),
+        # or to each row's own length.
+        scale = max_len / self.attention_norm if self.attention_norm else 1.0
+        if not self.attention_norm:
+            lengths = offsets[1:] - offsets[:-1]
+            row_length = torch.repeat_interleave(lengths, lengths, output_size=x.shape[0])
+            attn = attn * (max_len / row_length.to(attn.dtype))[:, None, None]
+        gated = apply_layer_norm(self.attn_norm, attn.reshape(x.shape[0], -1), scale=scale, gate=u)
         return x + self.output(self.dropout(gated))

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from foundation.model.jagged import last_tokens
-from kernels import jagged_cross_attention
+from foundation.model.norms import apply_layer_norm
+from foundation.model.profiling import ATTENTION, profile_region
+from kernels import jagged_cross_attention, jagged_silu_modulate
 
 
 class PersonalizedFFN(nn.Module):
@@ -38,9 +40,9 @@ class PersonalizedFFN(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
-        """``x[L, d]``, ``rows[L]`` (row of each token), ``summary[B, n, d]`` -> ``[L, d]``."""
+        """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``."""
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
-        hidden = nn.functional.silu(self.up(self.norm(x))) * (1 + gain[rows]) + shift[rows]
+        hidden = jagged_silu_modulate(self.up(apply_layer_norm(self.norm, x)), 1 + gain, shift, rows)
         return x + self.down(self.dropout(hidden))
 
 
@@ -76,11 +78,12 @@ class SequenceSummary(nn.Module):
             .expand(batch, s, h, d // h)
             .reshape(batch * s, h, d // h)
         )
-        k, v = self.key_value(self.kv_norm(history)).view(-1, 2, h, d // h).unbind(1)
+        k, v = self.key_value(apply_layer_norm(self.kv_norm, history)).view(-1, 2, h, d // h).unbind(1)
         q_offsets = torch.arange(batch + 1, device=offsets.device) * s
         # max_len may be 0 (every history empty); any bound >= the longest is valid, and 1 keeps the
         # padded key axis non-empty.
-        pooled = jagged_cross_attention(q, k, v, q_offsets, offsets, s, max(max_len, 1), activation="softmax")
+        with profile_region(ATTENTION):
+            pooled = jagged_cross_attention(q, k, v, q_offsets, offsets, s, max(max_len, 1), activation="softmax")
         return self.seeds + self.pma_out(pooled.reshape(batch, s, d))
 
     def forward(

@@ -1,7 +1,10 @@
 """Index helpers for jagged token batches (``tokens[L, ...]`` with ``offsets[B+1]``), never padding.
 
 All helpers build gather indices on the tokens' device without host syncs, so they run the same on
-CPU and GPU and stay differentiable with respect to the gathered tokens.
+CPU and GPU and stay differentiable with respect to the gathered tokens. Gathers go through
+``index_select`` (or :class:`PermuteRows`) rather than advanced indexing, whose backward is
+``index_put_(accumulate=True)``: on the GPU that sorts the indices and runs
+``indexing_backward_kernel``, where a permutation needs only the inverse gather.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def gather_rows(
     """
     if tokens.shape[0] == 0:
         return fill.expand(*index.shape, tokens.shape[-1]).to(tokens.dtype)
-    picked = tokens[index.clamp(0, tokens.shape[0] - 1)]
+    flat = index.clamp(0, tokens.shape[0] - 1).flatten()
+    picked = tokens.index_select(0, flat).view(*index.shape, tokens.shape[-1])
     return torch.where(valid.unsqueeze(-1), picked, fill.to(picked.dtype))
 
 
@@ -48,6 +52,21 @@ def last_tokens(tokens: torch.Tensor, offsets: torch.Tensor, k: int, fill: torch
     index = offsets[1:, None] - k + torch.arange(k, device=offsets.device)
     valid = index >= offsets[:-1, None]
     return gather_rows(tokens, index, valid, fill)
+
+
+class PermuteRows(torch.autograd.Function):
+    """``x[index]`` along dim 0 for a permutation ``index`` whose inverse is ``inverse``: the backward is
+    the inverse gather ``grad[inverse]``, not a scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 @dataclass
@@ -62,6 +81,8 @@ class SuffixLayout:
         history_index: ``[L]`` where each history token lands.
         suffix_index: ``[B, S]`` where each suffix token lands.
         order: ``[L + B*S]`` gather index from ``cat(history, suffix.flatten(0, 1))`` to combined.
+        inverse: ``[L + B*S]`` the inverse permutation, ``cat(history_index, suffix_index.flatten())``:
+            where each element of ``cat(history, suffix.flatten(0, 1))`` lands.
         num_suffix: ``S``.
     """
 
@@ -69,6 +90,7 @@ class SuffixLayout:
     history_index: torch.Tensor
     suffix_index: torch.Tensor
     order: torch.Tensor
+    inverse: torch.Tensor
     num_suffix: int
 
     @classmethod
@@ -79,18 +101,20 @@ class SuffixLayout:
         combined_offsets = offsets + torch.arange(batch + 1, device=device) * num_suffix
         history_index = torch.arange(num_tokens, device=device) + rows * num_suffix
         suffix_index = combined_offsets[1:, None] - num_suffix + torch.arange(num_suffix, device=device)
-        order = torch.empty(num_tokens + batch * num_suffix, dtype=torch.int64, device=device)
-        order[history_index] = torch.arange(num_tokens, device=device)
-        order[suffix_index.flatten()] = num_tokens + torch.arange(batch * num_suffix, device=device)
-        return cls(combined_offsets, history_index, suffix_index, order, num_suffix)
+        inverse = torch.cat([history_index, suffix_index.flatten()])
+        order = torch.empty_like(inverse)
+        order[inverse] = torch.arange(inverse.numel(), device=device)
+        return cls(combined_offsets, history_index, suffix_index, order, inverse, num_suffix)
 
     def combine(self, history: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
         """``history[L, ...]`` and ``suffix[B, S, ...]`` -> combined ``[L + B*S, ...]``."""
-        return torch.cat([history, suffix.flatten(0, 1)])[self.order]
+        return PermuteRows.apply(torch.cat([history, suffix.flatten(0, 1)]), self.order, self.inverse)
 
     def split(self, combined: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Combined ``[L + B*S, ...]`` -> ``(history[L, ...], suffix[B, S, ...])``."""
-        return combined[self.history_index], combined[self.suffix_index]
+        parts = PermuteRows.apply(combined, self.inverse, self.order)
+        history, suffix = parts.split([self.history_index.numel(), self.suffix_index.numel()])
+        return history, suffix.view(*self.suffix_index.shape, *combined.shape[1:])
 
     def num_targets(self) -> torch.Tensor:
         """``[B]``: every row's suffix tokens are attention targets."""

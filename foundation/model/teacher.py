@@ -21,7 +21,8 @@ Data flow for one batch (``L`` history tokens, ``B`` rows, ``d = d_model``)::
 
 For ``next_item`` data (e.g. MovieLens) the model is HSTU's generative recommender: every
 history position predicts the next item (the last one predicts the candidate) with sampled
-softmax, and ``score_items`` ranks the whole catalogue.
+softmax, and ``score_items`` ranks the whole catalogue. ``sequence_block="sasrec"`` swaps the HSTU
+blocks for SASRec's softmax blocks and keeps everything else (the same-data baseline).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from foundation.model.interaction import build_interaction_block, build_interact
 from foundation.model.interformer import PersonalizedFFN, SequenceSummary
 from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
 from foundation.model.outputs import ModelOutput, multitask_bce
+from foundation.model.profiling import EMBEDDINGS, GENERATIVE, profile_region
+from foundation.model.sasrec import SASRecBlock
 from foundation.model.teacher_config import TeacherConfig
 
 __all__ = ["GEMTeacher", "TeacherConfig", "build_teacher"]
@@ -59,9 +62,11 @@ class Encoded:
         item_features: ``[B, F_item, d]`` the candidate's categorical features (ctr only).
         history_vectors: ``[L, item_dim]`` history item embeddings from the item table.
         candidate_vectors: ``[B, item_dim]`` candidate embeddings from the item table.
-        negative_ids, negative_vectors: ``[N, K]`` uniform negatives and ``[N * K, item_dim]`` their
-            embeddings, drawn in a training forward of the generative objective (else None).
-        candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected).
+        negative_ids, negative_vectors: uniform negatives drawn in a training forward of the generative
+            objective (else None) and their raw table rows: ``[K]`` and ``[K, item_dim]`` shared by the
+            batch (``negatives="batch"``), or ``[N, K]`` and ``[N * K, item_dim]`` for its ``N`` positions.
+        candidate_items: ``[B, d]`` the candidate's item part of a token (scaled, projected); None on
+            next_item data, where nothing reads it.
         pooled: ``[B, P, d]`` mean item part of each history, over all and over clicked events (ctr with
             ``pooled_history``; ``P = 0`` otherwise).
     """
@@ -73,7 +78,7 @@ class Encoded:
     item_features: torch.Tensor
     history_vectors: torch.Tensor
     candidate_vectors: torch.Tensor
-    candidate_items: torch.Tensor
+    candidate_items: torch.Tensor | None
     pooled: torch.Tensor
     negative_ids: torch.Tensor | None
     negative_vectors: torch.Tensor | None
@@ -87,10 +92,11 @@ class GEMTeacher(nn.Module):
     L2-normalised next-item query and candidate embedding (``[B, item_dim]``).
     """
 
-    def __init__(self, cfg: TeacherConfig, schema: EventSchema) -> None:
+    def __init__(self, cfg: TeacherConfig, schema: EventSchema, negative_items: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg, self.schema = cfg, schema
         self.next_item = schema.task == "next_item"
+        self.register_buffer("negative_items", check_negative_items(cfg, schema, negative_items), persistent=False)
         d = cfg.d_model
         self.items = ItemEmbedding(schema.num_items, cfg.item_dim)
         self.history_embedding = HistoryEmbedding(cfg, schema)
@@ -102,19 +108,10 @@ class GEMTeacher(nn.Module):
         self.cls_tokens = nn.Parameter(torch.randn(cfg.num_cls, d) * 0.02)
         self.with_candidate_token = cfg.target_aware and not self.next_item
         self.num_suffix = cfg.num_cls + int(self.with_candidate_token)
-        self.blocks = nn.ModuleList(
-            HSTUBlock(
-                d,
-                cfg.num_heads,
-                cfg.attn_dim,
-                cfg.value_dim,
-                dropout=cfg.dropout,
-                alpha=cfg.attn_alpha,
-                pos_buckets=cfg.pos_buckets,
-                time_buckets=cfg.time_buckets,
-                attention_norm=cfg.max_len + self.num_suffix,
-            )
-            for _ in range(cfg.num_layers)
+        self.blocks = nn.ModuleList(build_sequence_block(cfg, self.num_suffix) for _ in range(cfg.num_layers))
+        # The target-time bias (query_time="target") needs each position's next event time.
+        self.target_time = (
+            cfg.sequence_block == "hstu" and cfg.time_buckets > 0 and cfg.resolved_query_time(self.next_item) == "target"
         )
         self.num_user_tokens = self.build_interleaving(cfg, schema)
         self.with_queries = self.next_item or cfg.generative
@@ -198,7 +195,7 @@ class GEMTeacher(nn.Module):
         user_features, item_features = self.sparse_embedding(batch.sparse, b)
         return torch.cat([user_features, self.user_bias.expand(b, 1, -1)], dim=1), item_features
 
-    def build_suffix(self, batch: JaggedBatch, candidate_tokens: torch.Tensor) -> torch.Tensor:
+    def build_suffix(self, batch: JaggedBatch, candidate_tokens: torch.Tensor | None) -> torch.Tensor:
         """``[B, S, d]``: CLS tokens, then the candidate token ``candidate_tokens[B, d]`` when target-aware."""
         parts = [self.cls_tokens.expand(batch.batch_size, -1, -1)]
         if self.with_candidate_token:
@@ -211,31 +208,37 @@ class GEMTeacher(nn.Module):
         history, suffix = layout.split(seq)
         return self.summaries[layer](history, batch.offsets, batch.max_len, suffix[:, : self.cfg.num_cls])
 
-    def encode(self, batch: JaggedBatch) -> Encoded:
-        """Embeddings, then the HSTU layers interleaved with the non-sequence arch."""
+    def look_up_items(self, batch: JaggedBatch) -> tuple[torch.Tensor | None, ...]:
+        """``(negative_ids, history_vectors[L, e], candidate_vectors[B, e], negative_vectors)``: one lookup.
+
+        A training step looks the item table up once: the generative loss's negatives join the history
+        and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
+        lookup in the loss would give its rows a second optimiser step that one device never takes.
+        """
         num_tokens, b = batch.num_tokens, batch.batch_size
-        # A training step looks the item table up once: the generative loss's negatives join the history
-        # and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
-        # lookup in the loss would give its rows a second optimiser step that one device never takes.
         negative_ids = self.draw_negatives(batch) if self.training and self.with_queries else None
         ids = [batch.history["item_ids"], batch.candidate]
         if negative_ids is not None:
             ids.append(negative_ids.flatten())
         vectors = self.items(torch.cat(ids))
-        history_vectors, candidate_vectors, negative_vectors = vectors.split(
-            [num_tokens, b, vectors.shape[0] - num_tokens - b]
-        )
-        user_tokens, item_features = self.embed_non_sequence(batch)
+        return negative_ids, *vectors.split([num_tokens, b, vectors.shape[0] - num_tokens - b])
 
+    def encode(self, batch: JaggedBatch) -> Encoded:
+        """Embeddings, then the HSTU layers interleaved with the non-sequence arch."""
+        num_tokens, b = batch.num_tokens, batch.batch_size
+        with profile_region(EMBEDDINGS):
+            negative_ids, history_vectors, candidate_vectors, negative_vectors = self.look_up_items(batch)
+            user_tokens, item_features = self.embed_non_sequence(batch)
+            history_tokens, candidate_items, candidate_tokens, pooled = self.history_embedding(
+                batch, history_vectors, None if self.next_item else candidate_vectors
+            )
         layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
-        history_tokens, candidate_items, candidate_tokens, pooled = self.history_embedding(
-            batch, history_vectors, candidate_vectors
-        )
         seq = layout.combine(history_tokens, self.build_suffix(batch, candidate_tokens))
         # CLS and candidate tokens happen "now": at the impression time.
         timestamps = layout.combine(
             batch.history["timestamps"], batch.timestamp[:, None].expand(b, self.num_suffix)
         )
+        query_timestamps = self.query_timestamps(batch, layout) if self.target_time else None
         num_targets = layout.num_targets() if self.num_suffix else None
         max_len = max(batch.max_len + self.num_suffix, 1)  # a batch of empty histories still has N >= 1
         rows = token_rows(layout.offsets, seq.shape[0]) if self.cfg.interleave else None
@@ -243,7 +246,7 @@ class GEMTeacher(nn.Module):
         for layer, block in enumerate(self.blocks):
             if self.cfg.interleave:
                 seq = self.pffns[layer](seq, rows, user_tokens)
-            seq = block(seq, layout.offsets, max_len, timestamps, num_targets)
+            seq = block(seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps)
             if self.cfg.interleave and layer < len(self.summaries):
                 summary = self.summarize(layer, seq, layout, batch)
                 user_tokens = self.user_interactions[layer](torch.cat([user_tokens, summary], dim=1))
@@ -254,6 +257,15 @@ class GEMTeacher(nn.Module):
             history, suffix, user_tokens, summary, item_features, history_vectors, candidate_vectors,
             candidate_items, pooled, negative_ids, negative_vectors if negative_ids is not None else None,
         )
+
+    def query_timestamps(self, batch: JaggedBatch, layout: SuffixLayout) -> torch.Tensor:
+        """``[L + B*S]`` the time each token's attention measures its time bias from (``query_time="target"``).
+
+        A history token predicts the next event, so it takes that event's time; a row's last history
+        token and its CLS/candidate tokens take the row's time (the candidate's, or the impression's).
+        """
+        next_times, _ = next_item_targets(batch.history["timestamps"], batch.offsets, batch.timestamp)
+        return layout.combine(next_times, batch.timestamp[:, None].expand(batch.batch_size, self.num_suffix))
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -274,7 +286,8 @@ class GEMTeacher(nn.Module):
         enc = self.encode(batch)
         extra = {}
         if self.with_queries:
-            extra["position_queries"], extra["next_item_query"] = self.next_item_queries(batch, enc.history)
+            with profile_region(GENERATIVE):
+                extra["position_queries"], extra["next_item_query"] = self.next_item_queries(batch, enc.history)
             extra["history_vectors"], extra["candidate_vectors"] = enc.history_vectors, enc.candidate_vectors
             if enc.negative_ids is not None:
                 extra["negative_ids"], extra["negative_vectors"] = enc.negative_ids, enc.negative_vectors
@@ -333,42 +346,63 @@ class GEMTeacher(nn.Module):
             target_index = torch.cat([target_index, candidate_index])
             valid = torch.cat([valid, batch.lengths == 0])
         item_ids = torch.cat([batch.history["item_ids"], batch.candidate])
-        item_vectors = l2_normalize(torch.cat([out.extra["history_vectors"], out.extra["candidate_vectors"]]))
-        targets, target_vec = item_ids[target_index], item_vectors[target_index]
-        if "negative_ids" in out.extra:
-            negatives, negative_vec = out.extra["negative_ids"], out.extra["negative_vectors"]
-        else:  # evaluation: no optimiser step follows, so a second lookup changes nothing
-            negatives = self.draw_negatives(batch)
-            negative_vec = self.items(negatives.flatten())
-        n, k = negatives.shape
+        item_vectors = torch.cat([out.extra["history_vectors"], out.extra["candidate_vectors"]])
         per_position = sampled_softmax_loss(
             queries,
-            targets,
-            target_vec,
-            negatives,
-            l2_normalize(negative_vec).view(n, k, self.cfg.item_dim),
+            item_ids.index_select(0, target_index),
+            item_vectors.index_select(0, target_index),
             self.cfg.temperature,
-            batch.candidate if self.cfg.in_batch_negatives else None,
-            item_vectors[num_tokens:] if self.cfg.in_batch_negatives else None,
+            **self.negative_arguments(batch, out),
         )
         weight = valid.to(per_position.dtype)
         return (per_position * weight).sum() / weight.sum().clamp_min(1.0)
 
+    def negative_arguments(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor | None]:
+        """The loss's negatives: ``shared_ids/vectors`` (the batch's draw, the in-batch candidates) and
+        ``position_ids/vectors`` (a per-position draw), as :func:`sampled_softmax_loss` takes them."""
+        if "negative_ids" in out.extra:
+            negatives, vectors = out.extra["negative_ids"], out.extra["negative_vectors"]
+        else:  # evaluation: no optimiser step follows, so a second lookup changes nothing
+            negatives = self.draw_negatives(batch)
+            vectors = self.items(negatives.flatten())
+        per_position = self.cfg.negatives == "position"
+        shared_ids, shared_vectors = ([], []) if per_position else ([negatives], [vectors])
+        if self.cfg.in_batch_negatives:
+            shared_ids.append(batch.candidate)
+            shared_vectors.append(out.extra["candidate_vectors"])
+        return {
+            "shared_ids": torch.cat(shared_ids) if shared_ids else None,
+            "shared_vectors": torch.cat(shared_vectors) if shared_vectors else None,
+            "position_ids": negatives if per_position else None,
+            "position_vectors": vectors.view(*negatives.shape, -1) if per_position else None,
+        }
+
     def draw_negatives(self, batch: JaggedBatch) -> torch.Tensor:
-        """``[N, num_negatives]`` uniform item ids for the ``N`` next-item positions (every history token,
-        plus one per row on next_item data)."""
-        n = batch.num_tokens + (batch.batch_size if self.next_item else 0)
-        return torch.randint(self.schema.num_items, (n, self.cfg.num_negatives), device=batch.offsets.device)
+        """Uniform item ids (from every id, or from ``negative_items`` under ``negative_pool="used"``):
+        ``[num_negatives]`` shared by the batch (``negatives="batch"``), or ``[N, num_negatives]`` for its ``N``
+        next-item positions (every history token, plus one per row on next_item data)."""
+        shape = (self.cfg.num_negatives,)
+        if self.cfg.negatives == "position":
+            shape = (batch.num_tokens + (batch.batch_size if self.next_item else 0), *shape)
+        return self.sample_items(shape, batch.offsets.device)
+
+    def sample_items(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Uniform item ids of ``shape``: any id below ``num_items``, or one of ``negative_items``."""
+        if self.negative_items is None:
+            return torch.randint(self.schema.num_items, shape, device=device)
+        return self.negative_items[torch.randint(self.negative_items.numel(), shape, device=device)]
 
     def loss(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor]:
         """``{"loss", ...terms}``: the generative loss (next_item), or masked BCE per task (ctr) plus,
         when ``cfg.generative``, the weighted generative loss."""
         if self.next_item:
-            generative = self.generative_loss(batch, out)
+            with profile_region(GENERATIVE):
+                generative = self.generative_loss(batch, out)
             return {"loss": generative, "loss_next_item": generative}
         terms = multitask_bce(batch, out, self.cfg.loss_weights)
         if self.cfg.generative:
-            generative = self.generative_loss(batch, out)
+            with profile_region(GENERATIVE):
+                generative = self.generative_loss(batch, out)
             terms["loss"] = terms["loss"] + self.cfg.generative_weight * generative
             terms["loss_next_item"] = generative
         return terms
@@ -403,6 +437,47 @@ def pairwise_dots(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens @ tokens.transpose(1, 2))[:, i, j]
 
 
-def build_teacher(cfg: TeacherConfig, schema: EventSchema) -> GEMTeacher:
-    """The GEM teacher for a dataset's schema (``ctr`` or ``next_item`` task)."""
-    return GEMTeacher(cfg, schema)
+def build_sequence_block(cfg: TeacherConfig, num_suffix: int) -> nn.Module:
+    """One layer of the sequence arch (``cfg.sequence_block``); ``num_suffix`` CLS/target tokens per row."""
+    if cfg.sequence_block == "sasrec":
+        return SASRecBlock(
+            cfg.d_model, cfg.num_heads, cfg.attn_dim, cfg.value_dim, ffn_hidden=cfg.ffn_hidden or cfg.d_model,
+            dropout=cfg.dropout,
+        )
+    if cfg.sequence_block != "hstu":
+        raise ValueError(f"teacher.sequence_block must be 'hstu' or 'sasrec', got {cfg.sequence_block!r}")
+    return HSTUBlock(
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.attn_dim,
+        cfg.value_dim,
+        dropout=cfg.dropout,
+        alpha=cfg.attn_alpha,
+        pos_buckets=cfg.pos_buckets,
+        time_buckets=cfg.time_buckets,
+        attention_norm=cfg.attention_norm_length(num_suffix),
+    )
+
+
+def check_negative_items(cfg: TeacherConfig, schema: EventSchema, items: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[K]`` int64 ids ``negative_pool="used"`` draws from (None under ``"all"``), checked against the schema."""
+    if cfg.negative_pool == "all":
+        if items is not None:
+            raise ValueError("negative_items are drawn from only with teacher.negative_pool='used' (it is 'all')")
+        return None
+    if cfg.negative_pool != "used":
+        raise ValueError(f"teacher.negative_pool must be 'all' or 'used', got {cfg.negative_pool!r}")
+    if items is None:
+        raise ValueError("teacher.negative_pool='used' needs the dataset's item ids: pass negative_items")
+    if items.dim() != 1 or items.numel() == 0 or items.dtype != torch.int64:
+        raise ValueError(f"negative_items must be a non-empty 1-D int64 tensor, got {items.dtype} {tuple(items.shape)}")
+    if int(items.min()) < 0 or int(items.max()) >= schema.num_items:
+        raise ValueError(f"negative_items must lie in [0, num_items={schema.num_items}), got {int(items.min())}..{int(items.max())}")
+    return items.clone()
+
+
+def build_teacher(cfg: TeacherConfig, schema: EventSchema, negative_items: torch.Tensor | None = None) -> GEMTeacher:
+    """The GEM teacher for a dataset's schema (``ctr`` or ``next_item`` task); ``negative_items`` ``[K]``: the
+    item ids its negatives are drawn from under ``negative_pool="used"`` (e.g. those of ``item_ids.parquet``)."""
+    cfg.check()
+    return GEMTeacher(cfg, schema, negative_items)

@@ -11,7 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 INTERACTIONS = ("wukong", "dcnv2")
+NEGATIVE_MODES = ("batch", "position")
 HISTORY_FEATURES = ("action", "domain", "age")
+SEQUENCE_BLOCKS = ("hstu", "sasrec")
+QUERY_TIMES = ("auto", "target", "event")
+ATTENTION_NORMS = ("max_len", "row")
+NEGATIVE_POOLS = ("all", "used")
 
 
 @dataclass
@@ -19,14 +24,26 @@ class TeacherConfig:
     """Sizes and switches of the GEM teacher (see :mod:`foundation.model.teacher` for the architecture).
 
     Sequence arch (HSTU, arXiv 2402.17152):
+        sequence_block: ``hstu`` (pointwise attention with relative bias and gating) or ``sasrec``
+            (softmax self-attention and a pointwise FFN, arXiv 1808.09781: the baseline HSTU's ML-1M
+            numbers are compared with; it reads no relative bias).
         d_model: token width of the sequence and interaction arches.
-        num_layers, num_heads: HSTU blocks and attention heads.
+        num_layers, num_heads: sequence blocks and attention heads.
         attn_dim, value_dim: per-head query/key and value widths.
         attn_alpha: scale on ``QKᵀ``; None means ``1/sqrt(attn_dim)``.
         max_len: the longest history the model is sized for: HSTU's fixed ``1/N`` is
             ``1/(max_len + CLS/target tokens)``; relative-position buckets and the absolute
             position table cover it (longer distances share the last bucket).
         time_buckets: log time-difference buckets of the relative time bias (0 disables it).
+        query_time: the time a query position measures its time bias from, ``bucket(t_query - ts_j)``
+            for key event ``j``: ``target`` is the time of the event the position predicts (the next
+            event; the candidate's for a row's last event), as the reference HSTU buckets
+            ``ts[i+1] - ts[j]``; ``event`` is the position's own event time (``ts[i] - ts[j]``);
+            ``auto`` is ``target`` on next_item data and ``event`` on ctr data.
+        attention_norm: HSTU's ``N`` in ``1/N``: ``max_len`` (the fixed ``max_len + CLS/target
+            tokens``), ``row`` (each row's own length), or a number (e.g. ``211``, the reference's
+            padded length at ``max_len = 200``: 200 history + 10 + 1 output slots).
+        ffn_hidden: hidden width of the SASRec block's FFN (0: ``d_model``).
         dropout: on input embeddings, inside blocks, and in MLPs.
         abs_pos_emb: add a learned absolute position embedding to history tokens (HSTU's ML-1M
             preprocessor does).
@@ -70,11 +87,17 @@ class TeacherConfig:
     Generative next-item objective (always on for next_item data, optional for ctr):
         generative: add the next-item loss to the ctr loss.
         generative_weight: its weight in the ctr loss.
-        num_negatives: uniform negatives per position.
-        in_batch_negatives: also use the batch's candidates as negatives.
+        num_negatives: uniform negatives each position is scored against.
+        negatives: how they are drawn: ``batch`` (``num_negatives`` ids per batch, shared by every
+            position: one GEMM, see :mod:`foundation.model.generative`) or ``position`` (``num_negatives``
+            ids per position, HSTU's ML-1M recipe: ``positions x num_negatives`` table rows per step).
+        negative_pool: the ids they are drawn from: ``all`` (every id below ``num_items``, unused ones
+            included) or ``used`` (the dataset's item ids, handed to the model as ``negative_items``).
+        in_batch_negatives: also use the batch's candidates as negatives (shared by every position).
         temperature: softmax temperature on cosine similarities.
     """
 
+    sequence_block: str = "hstu"
     d_model: int = 64
     num_layers: int = 2
     num_heads: int = 2
@@ -83,6 +106,9 @@ class TeacherConfig:
     attn_alpha: float | None = None
     max_len: int = 256
     time_buckets: int = 64
+    query_time: str = "auto"
+    attention_norm: str = "max_len"
+    ffn_hidden: int = 0
     dropout: float = 0.1
     abs_pos_emb: bool = False
     history_features: tuple[str, ...] = HISTORY_FEATURES
@@ -117,13 +143,21 @@ class TeacherConfig:
     generative: bool = False
     generative_weight: float = 0.1
     num_negatives: int = 128
+    negatives: str = "batch"
+    negative_pool: str = "all"
     in_batch_negatives: bool = False
     temperature: float = 0.05
 
     def __post_init__(self) -> None:
         self.history_features = tuple(self.history_features)
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad field (again after CLI overrides, which skip ``__init__``)."""
         if self.interaction not in INTERACTIONS:
             raise ValueError(f"teacher.interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        if self.negatives not in NEGATIVE_MODES:
+            raise ValueError(f"teacher.negatives must be one of {NEGATIVE_MODES}, got {self.negatives!r}")
         unknown = set(self.history_features) - set(HISTORY_FEATURES)
         if unknown:
             raise ValueError(
@@ -149,11 +183,43 @@ class TeacherConfig:
             raise ValueError("teacher needs at least one expert (shared or per domain)")
         if not 0.0 <= self.dropout < 1.0 or self.temperature <= 0:
             raise ValueError("teacher.dropout must be in [0, 1) and teacher.temperature positive")
+        for name, allowed in (
+            ("sequence_block", SEQUENCE_BLOCKS),
+            ("query_time", QUERY_TIMES),
+            ("negative_pool", NEGATIVE_POOLS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"teacher.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.attention_norm_length(0)
+        if self.ffn_hidden < 0:
+            raise ValueError(f"teacher.ffn_hidden must be 0 (d_model) or positive, got {self.ffn_hidden}")
 
     @property
     def num_pooled_tokens(self) -> int:
         """User-side pooled-history tokens on ctr data: the mean over every event and over clicked ones."""
         return 2 if self.pooled_history else 0
+
+    def attention_norm_length(self, num_suffix: int) -> int:
+        """HSTU's fixed ``N`` for ``1/N`` with ``num_suffix`` CLS/target tokens per row; 0 means each row's
+        own length. Raises ValueError on an ``attention_norm`` that is none of those."""
+        norm = str(self.attention_norm)
+        if norm == "max_len":
+            return self.max_len + num_suffix
+        if norm == "row":
+            return 0
+        if not norm.isdigit() or int(norm) < 1:
+            raise ValueError(
+                f"teacher.attention_norm must be one of {ATTENTION_NORMS} or a positive integer, got {norm!r}"
+            )
+        return int(norm)
+
+    def resolved_query_time(self, next_item: bool) -> str:
+        """``target`` or ``event``: what ``query_time`` means on next_item (True) or ctr data."""
+        if self.query_time == "auto":
+            return "target" if next_item else "event"
+        if self.query_time not in QUERY_TIMES:
+            raise ValueError(f"teacher.query_time must be one of {QUERY_TIMES}, got {self.query_time!r}")
+        return self.query_time
 
     @property
     def pos_buckets(self) -> int:

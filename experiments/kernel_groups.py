@@ -1,0 +1,115 @@
+"""Kernel time of profiled training steps, grouped by what the step spends it on.
+
+Groups: ``generative_loss``, ``attention`` and ``embeddings`` (the teacher's named profiler ranges,
+:mod:`foundation.model.profiling`), ``optimizer`` (torch's ``Optimizer.step`` range), then by kernel
+name: ``gemm``, ``elementwise_norm``, and ``other`` (copies, memsets, anything unnamed here).
+
+A kernel belongs to the innermost range around the CPU op that launched it. Backward kernels run
+outside the forward's ranges; they belong to the range in which the forward op that created their
+autograd node ran: the profiler gives both the same sequence number. On CPU there are no kernels:
+each op's self time stands in for them (indicative only: the host is the device there).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from foundation.model.profiling import ATTENTION, EMBEDDINGS, GENERATIVE
+
+GROUPS = ("generative_loss", "attention", "embeddings", "optimizer", "gemm", "elementwise_norm", "other")
+REGION_GROUPS = {GENERATIVE: "generative_loss", ATTENTION: "attention", EMBEDDINGS: "embeddings"}
+BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
+OPTIMIZER_PREFIX = "Optimizer."
+# The jagged attention kernels by name, for launches the profiler links to no range of ours.
+ATTENTION_NAMES = re.compile(r"^_fwd_kernel|^_bwd_(dq|dkdv|delta)_kernel|attention|flash|fmha", re.I)
+GEMM_NAMES = re.compile(r"gemm|cutlass|nvjet|xmma|cublas|wgmma|^aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm)$", re.I)
+ELEMENTWISE_NAMES = re.compile(
+    r"elementwise|vectorized|reduce|norm|softmax|index|gather|scatter|cat|copy_kernel|fill|where|silu|"
+    r"dropout|modulate|_ln_|^aten::",
+    re.I,
+)
+
+
+def ancestors(event):
+    """The event, then its enclosing CPU ops, innermost first."""
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+def region_sequence_numbers(events) -> dict[str, set[int]]:
+    """Region -> sequence numbers of the forward ops that ran inside it (their autograd nodes' numbers)."""
+    numbers: dict[str, set[int]] = {region: set() for region in REGION_GROUPS}
+    for event in events:
+        if event.sequence_nr < 0 or event.name.startswith(BACKWARD_PREFIX):
+            continue
+        for outer in ancestors(event.cpu_parent):
+            if outer.name in numbers:
+                numbers[outer.name].add(event.sequence_nr)
+                break
+    return numbers
+
+
+def context_group(event, numbers: dict[str, set[int]]) -> str | None:
+    """The group the event's enclosing ranges (or its backward node's forward range) give it, if any."""
+    for outer in ancestors(event):
+        if outer.name.startswith(OPTIMIZER_PREFIX):
+            return "optimizer"
+        if outer.name in REGION_GROUPS:
+            return REGION_GROUPS[outer.name]
+        if outer.name.startswith(BACKWARD_PREFIX):
+            for region, seen in numbers.items():
+                if outer.sequence_nr in seen:
+                    return REGION_GROUPS[region]
+            return None
+    return None
+
+
+def name_group(name: str) -> str:
+    if ATTENTION_NAMES.search(name):
+        return "attention"
+    if GEMM_NAMES.search(name):
+        return "gemm"
+    if ELEMENTWISE_NAMES.search(name):
+        return "elementwise_norm"
+    return "other"
+
+
+def timed_items(event, on_device: bool) -> list[tuple[str, float]]:
+    """``(name, microseconds)`` of the kernels an op launched (device), or of its own host time (CPU)."""
+    if on_device:
+        return [(kernel.name, kernel.duration) for kernel in event.kernels]
+    return [(event.name, event.self_cpu_time_total)] if event.self_cpu_time_total > 0 else []
+
+
+def kernel_breakdown(events, *, on_device: bool, steps: int, wall_s: float, top: int = 15) -> dict:
+    """Per-step milliseconds by group, their shares, the busiest kernels, and the share of the wall time
+    with no kernel running (device only; one stream assumed)."""
+    numbers = region_sequence_numbers(events)
+    by_group: dict[str, float] = defaultdict(float)
+    by_kernel: dict[tuple[str, str], float] = defaultdict(float)
+    for event in events:
+        items = timed_items(event, on_device)
+        if not items:
+            continue
+        context = context_group(event, numbers)
+        for name, us in items:
+            group = context or name_group(name)
+            by_group[group] += us
+            by_kernel[(name, group)] += us
+    total_us = sum(by_group.values())
+    per_step = max(steps, 1) * 1e3
+    busiest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
+    result = {
+        "time_kind": "device kernels" if on_device else "host op self time (CPU: indicative only)",
+        "steps": steps,
+        "wall_ms_per_step": wall_s * 1e3 / max(steps, 1),
+        "kernel_ms_per_step": total_us / per_step,
+        "groups_ms_per_step": {g: by_group.get(g, 0.0) / per_step for g in GROUPS},
+        "groups_share": {g: by_group.get(g, 0.0) / total_us if total_us else 0.0 for g in GROUPS},
+        "top_kernels": [{"name": n[:160], "group": g, "ms_per_step": us / per_step} for (n, g), us in busiest],
+    }
+    if on_device:
+        result["device_idle_share"] = max(0.0, 1.0 - total_us / 1e6 / wall_s) if wall_s > 0 else None
+    return result

@@ -1,0 +1,26 @@
+"""LayerNorms that feed a GEMM, through the fused :func:`kernels.layer_norm`.
+
+Under autocast, PyTorch runs LayerNorm in float32 and the next ``nn.Linear`` casts its float32
+output to bf16; handing the GEMM the autocast dtype directly gives the same values in one pass
+(the ``nn.LayerNorm`` modules stay as the parameters' holders, so checkpoints are unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import layer_norm
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast gives GEMMs on x's device, or None outside autocast."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def apply_layer_norm(
+    norm: nn.LayerNorm, x: torch.Tensor, *, scale: float = 1.0, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``norm(scale * x) * gate`` (``x``, ``gate`` ``[..., N]``) in the dtype the next GEMM computes in."""
+    return layer_norm(x, norm.weight, norm.bias, norm.eps, scale=scale, gate=gate, out_dtype=autocast_dtype(x))

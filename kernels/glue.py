@@ -1,0 +1,115 @@
+"""Dispatchers for the glue around the attention kernels: a fused LayerNorm and a per-row SiLU modulation.
+
+Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
+PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU
+tensors under ``TRITON_INTERPRET=1``). The kernel switch ``glue_backend`` (:mod:`kernels.settings`,
+environment override ``GEM_GLUE_BACKEND``), when not ``auto``, replaces ``backend="auto"`` at every call:
+a whole model then runs on the references without touching model code, e.g. for a fused-against-unfused
+loss comparison (``experiments/bench_teacher.py --glue-backend pytorch``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import settings
+
+
+def _resolve(backend: str, x: torch.Tensor) -> str:
+    return settings.resolve_backend(backend, settings.glue_backend(), x.is_cuda)
+
+
+def _check_float(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating tensor, got {getattr(t, 'dtype', type(t))}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    scale: float = 1.0,
+    gate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``(LN(scale * x) * gate).to(out_dtype)`` over the last axis, computed in float32.
+
+    ``out_dtype`` lets the caller hand the next GEMM its autocast dtype directly: the values are those
+    that autocast's float32 LayerNorm followed by the GEMM's cast would give.
+
+    Args:
+        x: ``[..., N]``.
+        weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
+        eps: the LayerNorm epsilon.
+        scale: multiplies ``x`` before the normalisation (folded into the kernel's load).
+        gate: ``[..., N]``, x's shape, multiplying the normalised output; or None.
+        out_dtype: the result's dtype; None: x's dtype promoted with gate's.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        x's shape in ``out_dtype``; differentiable in x, weight, bias and gate.
+    """
+    _check_float("x", x, x.device)
+    n = x.shape[-1] if x.dim() else 0
+    for name, p in (("weight", weight), ("bias", bias)):
+        _check_float(name, p, x.device)
+        if p.shape != (n,):
+            raise ValueError(f"{name} must be [N]=[{n}], got {tuple(p.shape)}")
+    if gate is not None:
+        _check_float("gate", gate, x.device)
+        if gate.shape != x.shape:
+            raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    if _resolve(backend, x) == "triton":
+        from kernels.triton.layer_norm import MAX_N
+        from kernels.triton.layer_norm import layer_norm as impl
+
+        if n > MAX_N:
+            raise ValueError(f"the Triton layer_norm takes N <= {MAX_N}, got {n}; use backend='pytorch'")
+    else:
+        from kernels.pytorch.layer_norm import layer_norm as impl
+    return impl(x, weight, bias, eps, scale=scale, gate=gate, out_dtype=out_dtype)
+
+
+def jagged_silu_modulate(
+    h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, rows: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """``silu(h) * scale[rows] + shift[rows]``: every token modulated by its row's vectors (InterFormer's PFFN).
+
+    The Triton backend is one pass forward and one backward, whose per-row sums of ``scale`` and ``shift``
+    gradients run over each row's contiguous tokens (no atomics, no sort) where autograd's would
+    scatter-add every token into its row.
+
+    Args:
+        h: ``[L, N]`` pre-activations.
+        scale, shift: ``[B, N]``.
+        rows: ``[L]`` int64, the row of every token, **sorted** (tokens of a row are contiguous, rows in
+            order: what :func:`foundation.model.jagged.token_rows` and a context-parallel shard give);
+            values in ``[0, B)``. Not checked on the device (that would sync).
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        ``[L, N]`` in the promoted dtype of ``h``, ``scale`` and ``shift``.
+    """
+    _check_float("h", h, h.device)
+    if h.dim() != 2:
+        raise ValueError(f"h must be [L, N], got {tuple(h.shape)}")
+    for name, t in (("scale", scale), ("shift", shift)):
+        _check_float(name, t, h.device)
+        if t.dim() != 2 or t.shape != scale.shape or t.shape[1] != h.shape[1]:
+            raise ValueError(f"{name} must be [B, N] with h's N={h.shape[1]}, got {tuple(t.shape)}")
+    if not isinstance(rows, torch.Tensor) or rows.shape != (h.shape[0],) or rows.dtype != torch.int64:
+        raise ValueError(f"rows must be int64 [L]=[{h.shape[0]}], got {getattr(rows, 'shape', rows)}")
+    if rows.device != h.device:
+        raise ValueError(f"rows is on {rows.device} but h is on {h.device}")
+    if _resolve(backend, h) == "triton":
+        from kernels.triton.row_modulate import jagged_silu_modulate as impl
+    else:
+        from kernels.pytorch.row_modulate import jagged_silu_modulate as impl
+    return impl(h, scale, shift, rows)

@@ -1,0 +1,33 @@
+"""PyTorch reference for the fused LayerNorm: ``(LN(scale * x) * gate)`` computed in float32, cast once."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    scale: float = 1.0,
+    gate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``LN(scale * x) * gate`` over the last axis, in float32 whatever the autocast state, as ``out_dtype``.
+
+    Args:
+        x: ``[..., N]``.
+        weight, bias: ``[N]``.
+        gate: ``[..., N]`` (x's shape) or None.
+        out_dtype: the result's dtype; None means x's dtype promoted with gate's.
+    """
+    dtype = out_dtype or (torch.promote_types(x.dtype, gate.dtype) if gate is not None else x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        scaled = x.float() if scale == 1.0 else x.float() * scale
+        y = F.layer_norm(scaled, (x.shape[-1],), weight.float(), bias.float(), eps)
+        if gate is not None:
+            y = y * gate.float()
+    return y.to(dtype)

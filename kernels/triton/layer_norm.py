@@ -1,0 +1,149 @@
+"""Triton LayerNorm fused with a scale on its input, a gate on its output and the cast for the next GEMM.
+
+``y = (LN(scale * x) * gate).to(out_dtype)``, float32 inside. What it saves over eager PyTorch under
+bf16 autocast, per ``[M, N]`` call: autocast runs LayerNorm in float32, so eager writes a float32
+output, multiplies it by the gate into another float32 tensor and casts that to bf16 for the next
+GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. The backward reads
+``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
+per-program float32 partial sums over a block of rows, added once at the end (deterministic).
+
+Forward: one program per row, the whole row in one ``BLOCK_N`` tile (``N`` up to 16,384).
+Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_N = 16384
+
+
+@triton.jit
+def _ln_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, y_ptr, mean_ptr, rstd_ptr,
+    N, stride_x, stride_g, stride_y, scale, eps,
+    HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    mean = tl.sum(x, axis=0) / N
+    centred = tl.where(mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = centred * rstd * w + b
+    if HAS_GATE:
+        y = y * tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+# The row count changes with every batch: specialising on its divisibility would compile twice.
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
+def _ln_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_ptr, db_ptr,
+    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_dx, stride_dg, scale,
+    HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # int64 bounds make the loop's row index int64 (an int in the interpreter): no row * stride overflow.
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for row in range(first, last):
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * scale
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+        dn = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            gate = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dg_ptr + row * stride_dg + cols, (dn * (x_hat * w + b)).to(dg_ptr.dtype.element_ty), mask=mask)
+            dn = dn * gate
+        dw += dn * x_hat
+        db += dn
+        d_hat = dn * w
+        mean_dot = tl.sum(d_hat * x_hat, axis=0) / N
+        mean_d = tl.sum(d_hat, axis=0) / N
+        dx = (d_hat - x_hat * mean_dot - mean_d) * rstd * scale
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
+    tl.store(db_ptr + pid * N + cols, db, mask=mask)
+
+
+def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[..., N]`` -> ``[M, N]`` with unit column stride (a view where possible)."""
+    x2 = x.reshape(-1, n)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def _num_programs(m: int, device: torch.device) -> int:
+    """Programs of the backward: enough to fill the GPU, few enough that the partial sums stay small."""
+    if device.type == "cuda":
+        return max(1, min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(m, 4))
+
+
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, gate, scale, eps, out_dtype):
+        n = x.shape[-1]
+        x2 = _rows_2d(x, n)
+        g2 = _rows_2d(gate, n) if gate is not None else None
+        m = x2.shape[0]
+        y = torch.empty(m, n, device=x.device, dtype=out_dtype)
+        mean = torch.empty(m, device=x.device, dtype=torch.float32)
+        rstd = torch.empty_like(mean)
+        block_n = triton.next_power_of_2(max(n, 1))
+        if m:
+            _ln_fwd_kernel[(m,)](
+                x2, weight, bias, g2 if g2 is not None else x2, y, mean, rstd,
+                n, x2.stride(0), g2.stride(0) if g2 is not None else 0, y.stride(0), scale, eps,
+                HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            )
+        ctx.save_for_backward(x2, weight, bias, g2, mean, rstd)
+        ctx.scale, ctx.shape, ctx.gate_dtype = scale, x.shape, gate.dtype if gate is not None else None
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, bias, g2, mean, rstd = ctx.saved_tensors
+        m, n = x2.shape
+        dy2 = _rows_2d(dy, n)
+        dx = torch.empty_like(x2)
+        dg = torch.empty(m, n, device=x2.device, dtype=ctx.gate_dtype) if g2 is not None else None
+        programs = _num_programs(m, x2.device)
+        dw = torch.zeros(programs, n, device=x2.device, dtype=torch.float32)
+        db = torch.zeros_like(dw)
+        block_n = triton.next_power_of_2(max(n, 1))
+        if m:
+            _ln_bwd_kernel[(programs,)](
+                dy2, x2, weight, bias, g2 if g2 is not None else x2, mean, rstd, dx,
+                dg if dg is not None else dx, dw, db,
+                m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0),
+                g2.stride(0) if g2 is not None else 0, dx.stride(0), dg.stride(0) if dg is not None else 0,
+                ctx.scale, HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            )
+        grad_w = dw.sum(0).to(weight.dtype)
+        grad_b = db.sum(0).to(bias.dtype)
+        grad_g = dg.view(ctx.shape) if dg is not None else None
+        return dx.view(ctx.shape), grad_w, grad_b, grad_g, None, None, None
+
+
+def _num_warps(block_n: int) -> int:
+    return min(16, max(1, block_n // 256))
+
+
+def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None):
+    """Same contract as :func:`kernels.pytorch.layer_norm.layer_norm` (``N <= MAX_N``)."""
+    dtype = out_dtype or (torch.promote_types(x.dtype, gate.dtype) if gate is not None else x.dtype)
+    return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype)

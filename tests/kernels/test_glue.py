@@ -1,0 +1,187 @@
+"""The glue kernels (fused LayerNorm, per-row SiLU modulation): Triton (interpreted on CPU) against the PyTorch
+references, forward and every gradient, on random shapes incl. empty, single and non-power-of-two ones.
+
+The references are first checked against plain eager PyTorch (``nn.LayerNorm`` then the gate; advanced
+indexing), so a shared misunderstanding cannot pass both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import jagged_silu_modulate, layer_norm
+from kernels.triton import row_modulate
+
+
+def _leaf(g: torch.Generator, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)
+
+
+def _grads(out: torch.Tensor, upstream: torch.Tensor, leaves: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    for x in leaves:
+        if x is not None:
+            x.grad = None
+    out.backward(upstream.to(out.dtype))
+    return [None if x is None else x.grad.clone() for x in leaves]
+
+
+def _ln_case(rows: int, n: int, dtype: torch.dtype, with_gate: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = _leaf(g, rows, n, dtype=dtype)
+    weight = (1 + 0.3 * torch.randn(n, generator=g)).requires_grad_(True)
+    bias = (0.2 * torch.randn(n, generator=g)).requires_grad_(True)
+    gate = _leaf(g, rows, n, dtype=dtype) if with_gate else None
+    return x, weight, bias, gate, torch.randn(rows, n, generator=g)
+
+
+def test_layer_norm_reference_is_eager_layer_norm_then_gate():
+    x, weight, bias, gate, _ = _ln_case(5, 12, torch.float32, True, 0)
+    norm = torch.nn.LayerNorm(12)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        norm.bias.copy_(bias)
+    expected = norm(x * 0.5) * gate
+    torch.testing.assert_close(layer_norm(x, weight, bias, norm.eps, scale=0.5, gate=gate, backend="pytorch"), expected)
+
+
+@pytest.mark.parametrize(
+    "rows,n,dtype,with_gate,scale,out_dtype",
+    [
+        (7, 48, torch.float32, False, 1.0, None),
+        (9, 100, torch.float32, True, 0.37, None),
+        (1, 33, torch.float32, True, 2.0, torch.float16),
+        (6, 64, torch.float16, True, 1.0, torch.float32),
+        (5, 128, torch.float16, False, 3.0, torch.float16),
+        (8, 96, torch.bfloat16, True, 0.7, torch.bfloat16),  # the HSTU attention norm's dtypes on the GPU
+        (0, 40, torch.float32, True, 1.0, None),
+    ],
+)
+def test_layer_norm_triton_matches_reference(rows, n, dtype, with_gate, scale, out_dtype):
+    x, weight, bias, gate, upstream = _ln_case(rows, n, dtype, with_gate, seed=rows * n)
+    leaves = [x, weight, bias, gate]
+    results = {}
+    for backend in ("pytorch", "triton"):
+        out = layer_norm(x, weight, bias, 1e-5, scale=scale, gate=gate, out_dtype=out_dtype, backend=backend)
+        results[backend] = (out, _grads(out, upstream, leaves))
+    (ref, ref_grads), (out, grads) = results["pytorch"], results["triton"]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    low = {dtype, out_dtype} - {torch.float32, None}
+    tol = {"rtol": 1e-4, "atol": 1e-4}
+    if low:  # the reference rounds at every eager step, the kernel once
+        tol = {"rtol": 3e-2, "atol": 3e-2} if torch.bfloat16 in low else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(out, ref, **tol)
+    for name, a, b in zip(("x", "weight", "bias", "gate"), grads, ref_grads, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_layer_norm_three_dimensional_input_and_gate():
+    g = torch.Generator().manual_seed(3)
+    x, gate = _leaf(g, 4, 3, 10), _leaf(g, 4, 3, 10)
+    weight, bias = torch.ones(10, requires_grad=True), torch.zeros(10, requires_grad=True)
+    upstream = torch.randn(4, 3, 10, generator=g)
+    outs = {}
+    for backend in ("pytorch", "triton"):
+        out = layer_norm(x, weight, bias, 1e-6, gate=gate, backend=backend)
+        outs[backend] = (out, _grads(out, upstream, [x, weight, bias, gate]))
+    torch.testing.assert_close(outs["triton"][0], outs["pytorch"][0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(outs["triton"][1], outs["pytorch"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_norm_rejects_bad_input():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="weight must be"):
+        layer_norm(x, torch.ones(7), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="gate must have"):
+        layer_norm(x, torch.ones(8), torch.zeros(8), 1e-5, gate=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="x must be a floating"):
+        layer_norm(x.long(), torch.ones(8), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="backend"):
+        layer_norm(x, torch.ones(8), torch.zeros(8), 1e-5, backend="cuda")
+
+
+def _rows(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
+
+
+def test_silu_modulate_reference_is_silu_then_row_affine():
+    h, scale, shift = torch.randn(6, 4), torch.randn(3, 4), torch.randn(3, 4)
+    rows = _rows([2, 0, 4])
+    expected = torch.nn.functional.silu(h) * scale[rows] + shift[rows]
+    torch.testing.assert_close(jagged_silu_modulate(h, scale, shift, rows, backend="pytorch"), expected)
+
+
+@pytest.mark.parametrize(
+    "lengths,n,dtype",
+    [
+        ([3, 0, 1, 70, 5], 24, torch.float32),  # empty and single rows, one longer than a token tile
+        ([0, 0, 0], 8, torch.float32),  # no tokens at all
+        ([33, 2, 0], 130, torch.float16),  # wider than a column block
+        ([64, 1], 1, torch.float32),  # one column
+        ([5, 9, 2], 48, torch.bfloat16),  # the PFFN's dtype under autocast on the GPU
+    ],
+)
+@pytest.mark.parametrize("block_l", [row_modulate.BLOCK_L, 4])  # 4: several token tiles per row
+def test_silu_modulate_triton_matches_reference(lengths, n, dtype, block_l, monkeypatch):
+    monkeypatch.setattr(row_modulate, "BLOCK_L", block_l)
+    g = torch.Generator().manual_seed(sum(lengths) + n)
+    rows = _rows(lengths)
+    h = _leaf(g, rows.numel(), n, dtype=dtype)
+    scale, shift = _leaf(g, len(lengths), n, dtype=dtype), _leaf(g, len(lengths), n, dtype=dtype)
+    upstream = torch.randn(rows.numel(), n, generator=g)
+    results = {}
+    for backend in ("pytorch", "triton"):
+        out = jagged_silu_modulate(h, scale, shift, rows, backend=backend)
+        results[backend] = (out, _grads(out, upstream, [h, scale, shift]))
+    (ref, ref_grads), (out, grads) = results["pytorch"], results["triton"]
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    if dtype != torch.float32:  # the reference rounds after each eager op, the kernel once
+        tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.float16 else {"rtol": 5e-2, "atol": 5e-2}
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **tol)
+    for name, a, b in zip(("h", "scale", "shift"), grads, ref_grads, strict=True):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+    # The row sums accumulate in float32 before their cast: close to the exact sums.
+    exact = torch.zeros(len(lengths), n, dtype=torch.float64).index_add_(0, rows, upstream.to(dtype).double())
+    torch.testing.assert_close(grads[2].double(), exact, **tol)
+
+
+def test_silu_modulate_rejects_bad_input():
+    h, scale = torch.randn(4, 3), torch.randn(2, 3)
+    rows = torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="rows must be"):
+        jagged_silu_modulate(h, scale, scale, rows.int())
+    with pytest.raises(ValueError, match="rows must be"):
+        jagged_silu_modulate(h, scale, scale, rows[:3])
+    with pytest.raises(ValueError, match="shift must be"):
+        jagged_silu_modulate(h, scale, torch.randn(2, 4), rows)
+    with pytest.raises(ValueError, match="h must be"):
+        jagged_silu_modulate(h[None], scale, scale, rows)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_teacher_step_is_the_same_on_the_glue_kernels(monkeypatch, interleave):
+    """A whole teacher forward+backward with every glue op on Triton equals the one on the references."""
+    from foundation.model.teacher import build_teacher
+    from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+
+    cfg = tiny_config(generative=True, dropout=0.0, interleave=interleave)
+    batch = make_batch(CTR_SCHEMA, [0, 1, 6, 3, 9])
+    results = {}
+    for backend in ("pytorch", "triton"):
+        monkeypatch.setenv("GEM_GLUE_BACKEND", backend)  # the switch's environment override
+        torch.manual_seed(0)
+        model = build_teacher(cfg, CTR_SCHEMA)
+        loss = model.loss(batch, model(batch))["loss"]
+        loss.backward()
+        results[backend] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (ref_loss, ref_grads), (loss, grads) = results["pytorch"], results["triton"]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
