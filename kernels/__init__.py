@@ -86,6 +86,11 @@ def _check_bias(name: str, table: torch.Tensor | None, heads: int, q: torch.Tens
         raise ValueError(f"{name} must be a non-empty floating table on {q.device}")
 
 
+def _check_timestamps(name: str, ts: torch.Tensor, q: torch.Tensor) -> None:
+    if not isinstance(ts, torch.Tensor) or ts.shape != (q.shape[0],) or ts.dtype != torch.int64 or ts.device != q.device:
+        raise ValueError(f"{name} must be int64 [L]=[{q.shape[0]}] on {q.device}, got {getattr(ts, 'shape', ts)}")
+
+
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -131,6 +136,7 @@ def jagged_attention(
     pos_bias: torch.Tensor | None = None,
     time_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Self-attention inside each sequence of a jagged batch (HSTU GDPA or softmax).
@@ -159,8 +165,11 @@ def jagged_attention(
         pos_bias: ``[H, P]`` or ``[1, P]`` learnable table; adds ``pos_bias[h, min(|p(i) - p(j)|,
             P - 1)]``.
         time_bias: ``[H, T]`` or ``[1, T]`` learnable table; adds ``time_bias[h, bucket]`` with
-            ``bucket = min(floor(ln(max(|ts_i - ts_j|, 1)) / 0.301), T - 1)``.
-        timestamps: ``[L]`` int64 event times; required with ``time_bias``.
+            ``bucket = min(floor(ln(max(|qts_i - ts_j|, 1)) / 0.301), T - 1)``.
+        timestamps: ``[L]`` int64 event times ``ts``; required with ``time_bias``.
+        query_timestamps: ``[L]`` int64 or None: the time ``qts_i`` each query measures its
+            distance to the keys from; None means ``timestamps``. HSTU's target-time bias passes
+            the time of the event each position predicts (``ts[i + 1]``). Only with ``time_bias``.
         backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"pytorch"`` or
             ``"triton"``.
 
@@ -175,6 +184,8 @@ def jagged_attention(
         return route(
             q, k, v, offsets, max_len, activation=activation, causal=causal, alpha=alpha, num_targets=num_targets,
             window=window, pos_bias=pos_bias, time_bias=time_bias, timestamps=timestamps, backend=backend,
+            # Routes written before query_timestamps existed keep working for every call that omits it.
+            **({} if query_timestamps is None else {"query_timestamps": query_timestamps}),
         )
     _check_qkv(q, k, v, same_rows=True)
     _check_activation(activation)
@@ -198,8 +209,11 @@ def jagged_attention(
     if time_bias is not None:
         if timestamps is None:
             raise ValueError("timestamps [L] are required with time_bias")
-        if timestamps.shape != (q.shape[0],) or timestamps.dtype != torch.int64 or timestamps.device != q.device:
-            raise ValueError(f"timestamps must be int64 [L]=[{q.shape[0]}] on {q.device}, got {timestamps.shape}")
+        _check_timestamps("timestamps", timestamps, q)
+    if query_timestamps is not None:
+        if time_bias is None:
+            raise ValueError("query_timestamps [L] only enter the time bias; pass time_bias with them")
+        _check_timestamps("query_timestamps", query_timestamps, q)
     kwargs = dict(
         activation=activation,
         causal=causal,
@@ -209,6 +223,7 @@ def jagged_attention(
         pos_bias=pos_bias,
         time_bias=time_bias,
         timestamps=timestamps,
+        query_timestamps=query_timestamps,
     )
     if _resolve_backend(backend, q) == "triton":
         from kernels.triton.jagged_attention import jagged_attention as impl

@@ -13,7 +13,7 @@ inside each sequence of length ``n``; ``n_h = n - num_targets[b]`` is the histor
 - window ``w``: with effective positions ``p(i) = min(i, n_h)`` (every target sits where the
   next history item would), query ``i`` sees key ``j`` only when ``|p(i) - p(j)| < w``;
 - ``pos_bias[h, min(|p(i) - p(j)|, P - 1)]`` and
-  ``time_bias[h, bucket(ts_i - ts_j)]`` with
+  ``time_bias[h, bucket(qts_i - ts_j)]`` (``qts`` is ``query_timestamps``, by default ``ts``) with
   ``bucket(dt) = min(floor(ln(max(|dt|, 1)) / 0.301), T - 1)`` (HSTU's log bucketing) are added
   to ``alpha * q_i . k_j`` before the activation.
 """
@@ -132,6 +132,7 @@ def jagged_attention(
     pos_bias: torch.Tensor | None = None,
     time_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference jagged self-attention; see :func:`kernels.jagged_attention` for the arguments.
 
@@ -150,7 +151,8 @@ def jagged_attention(
         scores = scores + pos_bias.to(dtype)[:, dist].permute(1, 0, 2, 3)
     if time_bias is not None:
         tsp, _ = pad_jagged(timestamps, offsets, max_len)
-        bucket = time_bucket(tsp[:, :, None] - tsp[:, None, :], time_bias.shape[1])
+        qtsp = tsp if query_timestamps is None else pad_jagged(query_timestamps, offsets, max_len)[0]
+        bucket = time_bucket(qtsp[:, :, None] - tsp[:, None, :], time_bias.shape[1])
         scores = scores + time_bias.to(dtype)[:, bucket].permute(1, 0, 2, 3)
     out = _attend(scores, mask[:, None], vp.transpose(1, 2), activation, 1.0 / max(max_len, 1))
     return out.transpose(1, 2)[valid].to(v.dtype)

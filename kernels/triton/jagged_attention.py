@@ -250,7 +250,7 @@ def _key_ranges(m_start, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_WINDO
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
-    Q, K, V, Out, LSE, Q_OFF, KV_OFF, ORDER, NT, TS, PB, TB,
+    Q, K, V, Out, LSE, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
     stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
     L_Q, L_KV,
@@ -280,7 +280,7 @@ def _fwd_kernel(
         q = tl.load(Q + q_start * stride_qm + h * stride_qh + offs_m[:, None] * stride_qm + offs_dqk[None, :],
                     mask=q_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
     row0 = kv_start.to(tl.int32)
-    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
+    ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
@@ -357,7 +357,7 @@ def _bwd_dq_tiles(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
     AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
@@ -385,7 +385,7 @@ def _bwd_dq_kernel(
     else:
         lse = tl.zeros([BLOCK_M], dtype=tl.float32)
         delta = lse
-    ts_m = tl.load(TS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
+    ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
@@ -477,7 +477,7 @@ def _bwd_dkdv_tiles(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV_, DQ_ACC, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DK, DV_, DQ_ACC, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh,
     P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
@@ -526,13 +526,13 @@ def _bwd_dkdv_kernel(
     dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
     dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
         offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
         P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, FUSED_DQ,
         DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, TS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
         offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
         P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, FUSED_DQ,
         DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
@@ -654,7 +654,8 @@ def _fuse_dq(act: str, has_bias: bool) -> bool:
 class _Spec:
     """Everything about a call that is not a differentiable tensor."""
 
-    def __init__(self, act, causal, alpha, window, num_targets, timestamps, max_q_len, max_kv_len, batch):
+    def __init__(self, act, causal, alpha, window, num_targets, timestamps, max_q_len, max_kv_len, batch,
+                 query_timestamps=None):
         self.batch = batch
         self.act = act
         self.causal = causal
@@ -662,6 +663,7 @@ class _Spec:
         self.window = window
         self.num_targets = num_targets
         self.timestamps = timestamps
+        self.query_timestamps = query_timestamps
         self.max_q_len = max_q_len
         self.max_kv_len = max_kv_len
 
@@ -709,7 +711,8 @@ def _common_args(q, k, v, pb, tb, spec):
     )
     nt = spec.num_targets if spec.num_targets is not None else dummy
     ts = spec.timestamps if spec.timestamps is not None else dummy
-    return pb_t, tb_t, nt, ts, meta, scalars
+    qts = spec.query_timestamps if spec.query_timestamps is not None else ts
+    return pb_t, tb_t, nt, (ts, qts), meta, scalars
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
@@ -821,7 +824,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
         order = _longest_first(q_offsets, kv_offsets)
         if batch * heads > 0 and spec.max_q_len > 0:
-            args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, ts, pb, tb,
+            args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
             tma = _use_tma(q, k, v)
@@ -869,7 +872,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
             dv.zero_()
         else:
             if not fused:
-                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, ts, pb, tb, dpb_t, dtb_t,
+                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
                 _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
@@ -878,7 +881,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
             # see them: its autotuner zeroes those arguments around each trial (they are accumulators
             # when fused), which would wipe what the dQ pass has just written on every first call.
             acc = (dq, dpb_t, dtb_t) if fused else (dummy, dummy, dummy)
-            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, order, nt, ts, pb, tb,
+            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                          acc[1], acc[2],
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
@@ -914,6 +917,7 @@ def jagged_attention(
     pos_bias: torch.Tensor | None = None,
     time_bias: torch.Tensor | None = None,
     timestamps: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton jagged self-attention; see :func:`kernels.jagged_attention` (no input checks here).
 
@@ -930,12 +934,18 @@ def jagged_attention(
         max_len,
         max_len,
         offsets.numel() - 1,
+        relative_timestamps(query_timestamps, offsets, origin=timestamps)
+        if time_bias is not None and query_timestamps is not None
+        else None,
     )
     return _JaggedAttentionFn.apply(q, k, v, pos_bias, time_bias, offsets, offsets, spec)
 
 
-def relative_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``[L]`` float32 offsets of each event from its sequence's first one.
+def relative_timestamps(
+    timestamps: torch.Tensor, offsets: torch.Tensor, origin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[L]`` float32 offsets of each time from its sequence's first event, ``origin[offsets[b]]``
+    (``origin`` defaults to ``timestamps``; query times are measured from the keys' first event).
 
     The time bias needs only differences inside a sequence, so the kernels work on these instead
     of int64 times: every per-pair operation stays 32-bit. Offsets below 2**24 (194 days in
@@ -944,7 +954,8 @@ def relative_timestamps(timestamps: torch.Tensor, offsets: torch.Tensor) -> torc
     when its log-time lies within ~1e-7 of that edge.
     """
     seq = torch.searchsorted(offsets[1:], torch.arange(timestamps.numel(), device=timestamps.device), right=True)
-    return (timestamps - timestamps[offsets[seq]]).to(torch.float32)
+    origin = timestamps if origin is None else origin
+    return (timestamps - origin[offsets[seq]]).to(torch.float32)
 
 
 def jagged_cross_attention(

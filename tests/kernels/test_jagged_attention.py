@@ -47,6 +47,19 @@ def _inputs(lengths, heads, dqk, dv, dtype, seed, *, pos=0, time=0, shared_bias=
     )
 
 
+def _next_event_times(timestamps: torch.Tensor, lengths: list[int], gen: torch.Generator) -> torch.Tensor:
+    """HSTU's target times: each event's query time is the next event's time, the last one's a later
+    candidate time (so query times run past every key and lie on both sides of some)."""
+    out = timestamps.clone()
+    start = 0
+    for n in lengths:
+        if n:
+            out[start : start + n - 1] = timestamps[start + 1 : start + n]
+            out[start + n - 1] = timestamps[start + n - 1] + int(torch.randint(0, 9000, (1,), generator=gen))
+        start += n
+    return out
+
+
 def _run(backend, tensors, offsets, max_len, grad_seed, **kwargs):
     """Forward + backward with a fixed random upstream gradient; returns output and grads."""
     leaves = [tensors[n] for n in ("q", "k", "v", "pos_bias", "time_bias")]
@@ -73,8 +86,9 @@ def _assert_close(got, want, tol, what):
         assert err < tol, f"{what}: {name} relative error {err:.2e} >= {tol}"
 
 
-def _naive(q, k, v, lengths, max_len, activation, causal, alpha, num_targets, window, pos_bias, time_bias, ts):
+def _naive(q, k, v, lengths, max_len, activation, causal, alpha, num_targets, window, pos_bias, time_bias, ts, qts=None):
     """Per-pair loop straight from the documented rules, in float64."""
+    qts = ts if qts is None else qts
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
     start = 0
     for b, n in enumerate(lengths):
@@ -94,7 +108,7 @@ def _naive(q, k, v, lengths, max_len, activation, causal, alpha, num_targets, wi
                     if pos_bias is not None:
                         s += float(pos_bias[h % pos_bias.shape[0], min(abs(pi - pj), pos_bias.shape[1] - 1)])
                     if time_bias is not None:
-                        dt = abs(int(ts[start + i]) - int(ts[start + j]))
+                        dt = abs(int(qts[start + i]) - int(ts[start + j]))
                         bucket = min(math.floor(math.log(max(dt, 1)) / 0.301), time_bias.shape[1] - 1)
                         s += float(time_bias[h % time_bias.shape[0], bucket])
                     keys.append(j)
@@ -123,20 +137,22 @@ def _naive(q, k, v, lengths, max_len, activation, causal, alpha, num_targets, wi
         dict(causal=False, window=3),
         dict(causal=True, targets=True, window=4, pos=5, time=6),
         dict(causal=False, targets=True, pos=4),
+        dict(causal=True, targets=True, time=9, query_times=True),
     ],
 )
 def test_reference_matches_per_pair_loop(activation, flags):
     lengths = [0, 1, 9, 6]
     t = _inputs(lengths, 2, 8, 4, torch.float64, seed=1, pos=flags.get("pos", 0), time=flags.get("time", 0))
     num_targets = torch.tensor([0, 1, 3, 2]) if flags.get("targets") else None
+    qts = _next_event_times(t["timestamps"], lengths, torch.Generator().manual_seed(3)) if flags.get("query_times") else None
     kwargs = dict(activation=activation, causal=flags["causal"], alpha=0.3, num_targets=num_targets, window=flags.get("window"))
     got = jagged_attention(
-        t["q"], t["k"], t["v"], _offsets(lengths), 10,
-        pos_bias=t["pos_bias"], time_bias=t["time_bias"], timestamps=t["timestamps"], backend="pytorch", **kwargs,
+        t["q"], t["k"], t["v"], _offsets(lengths), 10, pos_bias=t["pos_bias"], time_bias=t["time_bias"],
+        timestamps=t["timestamps"], query_timestamps=qts, backend="pytorch", **kwargs,
     )
     want = _naive(
         t["q"].detach(), t["k"].detach(), t["v"].detach(), lengths, 10, activation, flags["causal"], 0.3,
-        num_targets, flags.get("window"), t["pos_bias"], t["time_bias"], t["timestamps"],
+        num_targets, flags.get("window"), t["pos_bias"], t["time_bias"], t["timestamps"], qts,
     )
     assert _rel(got.detach(), want) < 1e-10
 
@@ -242,6 +258,31 @@ def test_time_bias_on_epoch_timestamps_uses_exact_offsets_within_each_sequence()
     want = _run("pytorch", t, offsets, 30, 2, **kwargs)
     got = _run("triton", t, offsets, 30, 2, **kwargs)
     _assert_close(got, want, 1e-4, "epoch timestamps")
+
+
+@pytest.mark.parametrize("deterministic", ["0", "1"], ids=["fused-dq", "split-dq"])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize(
+    "flags", [dict(causal=True, targets=True, pos=7), dict(causal=False, window=6)], ids=["causal-targets", "window"]
+)
+def test_query_timestamps_match_reference(activation, deterministic, flags, monkeypatch):
+    """The time bias of pair (i, j) from ``query_timestamps[i] - timestamps[j]`` (HSTU's target time:
+    the next event's), on epoch-second times: output and every gradient, both tables."""
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", deterministic)
+    lengths = [37, 0, 1, 20, 5, 40]
+    t = _inputs(lengths, 2, 16, 24, torch.float32, seed=23, pos=flags.get("pos", 0), time=24)
+    t["timestamps"] = t["timestamps"] + 1_700_000_000
+    qts = _next_event_times(t["timestamps"], lengths, torch.Generator().manual_seed(4))
+    num_targets = torch.tensor([4, 0, 1, 20, 2, 3]) if flags.get("targets") else None
+    kwargs = dict(activation=activation, causal=flags["causal"], num_targets=num_targets, window=flags.get("window"),
+                  query_timestamps=qts)
+    offsets = _offsets(lengths)
+    want = _run("pytorch", t, offsets, 41, 8, **kwargs)
+    got = _run("triton", t, offsets, 41, 8, **kwargs)
+    _assert_close(got, want, 1e-4, f"query timestamps {activation} {flags}")
+    # They change the answer: the same call without them is far from it.
+    default = _run("pytorch", t, offsets, 41, 8, **{**kwargs, "query_timestamps": None})
+    assert _rel(default[0], want[0]) > 1e-2
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
@@ -403,6 +444,11 @@ def test_env_var_overrides_auto_backend_only(monkeypatch):
         (dict(window=0), "window"),
         (dict(pos_bias=torch.randn(3, 4)), "pos_bias"),
         (dict(time_bias=torch.randn(2, 4)), "timestamps"),
+        (dict(query_timestamps=torch.arange(7)), "time_bias"),
+        (dict(time_bias=torch.randn(2, 4), timestamps=torch.arange(7), query_timestamps=torch.arange(6)),
+         "query_timestamps"),
+        (dict(time_bias=torch.randn(2, 4), timestamps=torch.arange(7), query_timestamps=torch.arange(7.0)),
+         "query_timestamps"),
         (dict(backend="cuda"), "backend"),
     ],
 )
