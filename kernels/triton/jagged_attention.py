@@ -8,12 +8,10 @@ fill the gaps that the long ones leave. Key tiles that no mask can
 touch (inside the causal triangle, inside the history, inside the sequence) run a mask-free
 loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block.
 
-Backward: one program per key block accumulates dK and dV over its query blocks. dQ comes
-from a second kernel with one program per query block, or, for pointwise activations with bias
-tables, from the dK/dV tiles through float32 atomics (see :func:`_fuse_dq`;
-``GEM_KERNELS_DETERMINISTIC=1`` always takes the separate pass). Softmax scores are kept in log2
-units so each probability is one FMA and one ``exp2``. The mask semantics are those of
-:mod:`kernels.pytorch.jagged_attention`.
+Backward: one program per key block accumulates dK and dV over its query blocks; a second
+kernel, one program per query block, computes dQ (no atomics) and the bias-table gradients
+(:mod:`kernels.triton.bias`). Softmax scores are kept in log2 units so each probability is one
+FMA and one ``exp2``. The mask semantics are those of :mod:`kernels.pytorch.jagged_attention`.
 
 On Hopper and newer the forward loads its query tile and streams its key and value tiles
 through TMA tensor descriptors, for head dims of 16-256 that are powers of two: 2-15% faster than
@@ -37,13 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pytorch.jagged_attention import TIME_BUCKET_DIVISOR
+from kernels.triton.bias import add_bias, add_position_grad, add_time_grad, time_bucket
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
 _LOG2E = tl.constexpr(1.4426950408889634)
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-_TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
 # Arguments that change with the batch's contents: specializing on their divisibility would
 # recompile the kernels for batches of the same shape.
 _NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV"]
@@ -104,32 +101,6 @@ def _mask(qi, kj, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_TARGETS: tl.
 
 
 @triton.jit
-def _bias_index(qi, kj, n_hist, ts_q, ts_k, P_SIZE, T_SIZE, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr):
-    """Bias-table indices of each pair (position bucket, time bucket); unused ones are 0."""
-    pos_idx = qi * 0 + kj * 0
-    time_idx = pos_idx
-    if HAS_PB:
-        d = tl.abs(tl.minimum(qi, n_hist) - tl.minimum(kj, n_hist))
-        pos_idx = tl.minimum(d, P_SIZE - 1)
-    if HAS_TB:
-        dt = tl.maximum(tl.abs(ts_q - ts_k), 1.0)
-        bucket = tl.floor(tl.log(dt) / _TIME_DIV).to(tl.int32)
-        time_idx = tl.minimum(tl.maximum(bucket, 0), T_SIZE - 1)
-    return pos_idx, time_idx
-
-
-@triton.jit
-def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, ACT: tl.constexpr):
-    """Adds the bias tables' entries; softmax scores live in log2 units, so theirs are scaled."""
-    scale = _LOG2E if ACT == 0 else 1.0
-    if HAS_PB:
-        s += tl.load(pb_ptr + pos_idx).to(tl.float32) * scale
-    if HAS_TB:
-        s += tl.load(tb_ptr + time_idx).to(tl.float32) * scale
-    return s
-
-
-@triton.jit
 def _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK: tl.constexpr, DV: tl.constexpr,
                     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """One ``[BLOCK_N, D]`` key tile and value tile through pointers; rows past ``kv_len`` read zeros."""
@@ -167,7 +138,7 @@ def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, 
 @triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
-    kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
+    kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -180,8 +151,8 @@ def _fwd_tiles(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
-            pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
+            s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr, tb_ptr,
+                            P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, FAST)
         if ACT == 0:
             if MASKED:
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
@@ -289,19 +260,22 @@ def _fwd_kernel(
 
     # Softmax runs in log2 units (exp2 of one FMA per score); LSE is stored in them too.
     qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    bias_scale = _LOG2E if ACT == 0 else 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
-        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK, h * DV,
+        kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
+        h * DV,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
         TMA,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK, h * DV,
+        kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
+        h * DV,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
         TMA,
     )
@@ -318,13 +292,16 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_tiles(
-    dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, hi,
-    kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
+    dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
+    kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dQ over key tiles ``[lo, hi)``, and the bias-table gradients of those tiles' scores
+    (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
+    are summed)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
@@ -332,8 +309,8 @@ def _bwd_dq_tiles(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
-            pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
+            s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr,
+                                 tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, FAST)
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
             p = tl.math.exp2(s - lse[:, None])
@@ -345,13 +322,12 @@ def _bwd_dq_tiles(
             valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
             ds = tl.where(valid, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq)
-        if HAS_PB or HAS_TB:
-            # Rows past the sequence carry dS = 0 but clamped indices; keep them out of the sum.
-            pair_ok = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
-            if HAS_PB:
-                tl.atomic_add(dpb_ptr + pos_idx, ds * ds_scale, mask=pair_ok)
-            if HAS_TB:
-                tl.atomic_add(dtb_ptr + time_idx, ds * ds_scale, mask=pair_ok)
+        if HAS_PB:
+            add_position_grad(ds, m_start, start_n, n_hist, dpb_ptr, P_SIZE, HAS_TARGETS, BLOCK_M, BLOCK_N)
+        if HAS_TB:
+            # The reference bucket of each row: its first key's, the largest time difference in order.
+            ts_first = tl.load(ts_base + start_n)
+            add_time_grad(ds, bucket, time_bucket(ts_m - ts_first, T_SIZE, FAST), dtb_ptr, FAST)
     return dq
 
 
@@ -390,24 +366,27 @@ def _bwd_dq_kernel(
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
     qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    bias_scale = _LOG2E if ACT == 0 else 1.0
     # The pointwise 1/N is applied once per output instead of once per score.
     ds_scale = 1.0 if ACT == 0 else inv_n
+    # Replicated table-gradient accumulators: programs that run together add into different copies.
     dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
     dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, full_hi,
-        kv_len, n_hist, window, qk_scale, ds_scale, PB + h * stride_pbh, TB + h * stride_tbh,
-        dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
+        kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
+        P_SIZE, T_SIZE, m_start,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        BLOCK_N,
     )
     dq = _bwd_dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len,
-        tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, qk_scale, ds_scale, PB + h * stride_pbh, TB + h * stride_tbh,
-        dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
+        kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
+        P_SIZE, T_SIZE, m_start,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        BLOCK_N,
     )
     tl.store(DQ + q_start * stride_dqm + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_dqk[None, :],
              (dq * (alpha * ds_scale)).to(DQ.dtype.element_ty), mask=q_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -415,21 +394,14 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, dq_base, stride_qm, stride_dom, stride_dqm,
-    offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
-    P_SIZE, T_SIZE,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom,
+    offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products.
-
-    With ``FUSED_DQ`` the same tiles also add their share of dQ (and of the bias-table
-    gradients) into float32 accumulators with atomics: five matrix products per tile pair
-    instead of the seven that a separate dQ pass needs, at the price of a summation order that
-    varies from run to run.
-    """
+    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -442,8 +414,8 @@ def _bwd_dkdv_tiles(
         s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
             ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0.0) if HAS_TB else offs_m
-            pos_idx, time_idx = _bias_index(offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s_t = _add_bias(s_t, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
+            s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
+                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, FAST)
         dp_t = tl.dot(v, tl.trans(do))
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
@@ -462,31 +434,21 @@ def _bwd_dkdv_tiles(
                 ds_t = tl.where(valid, ds_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
-        if FUSED_DQ:
-            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
-            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_dqk[None, :], dq_part,
-                          mask=m_ok[:, None] & (offs_dqk[None, :] < DQK), sem="relaxed")
-            if HAS_PB or HAS_TB:
-                pair_ok = m_ok[None, :] & (offs_n[:, None] < kv_len)
-                if HAS_PB:
-                    tl.atomic_add(dpb_ptr + pos_idx, ds_t * ds_scale, mask=pair_ok, sem="relaxed")
-                if HAS_TB:
-                    tl.atomic_add(dtb_ptr + time_idx, ds_t * ds_scale, mask=pair_ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV_, DQ_ACC, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DK, DV_, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-    stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh,
-    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
+    stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_lse_h, stride_pbh, stride_tbh,
+    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
+    _, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     n_start = pid_n * BLOCK_N
     if n_start >= kv_len:
@@ -519,23 +481,19 @@ def _bwd_dkdv_kernel(
     lse_base = LSE + h * stride_lse_h + q_start
     delta_base = DELTA + h * stride_lse_h + q_start
     qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    bias_scale = _LOG2E if ACT == 0 else 1.0
     ds_scale = 1.0 if ACT == 0 else inv_n
-    dq_base = DQ_ACC + q_start * stride_dqm + h * stride_dqh
     pb_ptr = PB + h * stride_pbh
     tb_ptr = TB + h * stride_tbh
-    dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
-    dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
-        offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
-        P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, FUSED_DQ,
-        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
+        offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
-        offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
-        P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, FUSED_DQ,
-        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
+        offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
              (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -557,14 +515,6 @@ def _bwd_delta_kernel(Out, DO, DELTA, stride_om, stride_oh, stride_dom, stride_d
     tl.store(DELTA + h * L + offs_m, delta, mask=offs_m < L)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _scale_cast_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
-    """``Y = (X * scale)`` cast to Y's dtype: finishes the float32 dQ accumulator in one pass."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < n, other=0.0)
-    tl.store(Y + offs, (x * scale).to(Y.dtype.element_ty), mask=offs < n)
-
-
 def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` tuples as configs, tagged by the variants they serve."""
     out = []
@@ -576,21 +526,24 @@ def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
     return out
 
 
-# Each list's first config is the one used untuned (GEM_KERNELS_AUTOTUNE=0). The biased variants
-# gather a bias-table entry per score; their pointer tensors exhaust the registers of large tiles
-# (255 registers and 278 spilled at 128x64 in the forward on the H200, 2.4x slower than 128x32),
-# so they get smaller tiles of their own.
+# Each list's first config is the one used untuned (GEM_KERNELS_AUTOTUNE=0). The biased variants get
+# tiles of their own: the per-score bias work needs registers (tiles chosen by the registers and
+# spills of their compiled code, docs/benchmarks.md). The biased dQ pass needs BLOCK_M >= BLOCK_N
+# (position gradient) and BLOCK_M >= 16 * num_warps (one owner per element for its scatter).
 _FWD_CONFIGS = _configs(
     plain=[(256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
-    biased=[(128, 32, 4, 3), (64, 64, 8, 2)],
+    biased=[(128, 64, 8, 3), (128, 32, 4, 3)],
 )
 _DQ_CONFIGS = _configs(
     plain=[(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
-    biased=[(64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3)],
+    biased=[(128, 32, 8, 2), (64, 32, 4, 2)],
 )
 _DKDV_CONFIGS = _configs(
     plain=[(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
-    biased=[(32, 64, 8, 2), (16, 64, 4, 3), (64, 64, 8, 2)],
+    biased=[(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+)
+assert all(
+    c.kwargs["BLOCK_M"] >= max(c.kwargs["BLOCK_N"], 16 * c.num_warps) for c in _DQ_CONFIGS if c.gem_tag == "biased"
 )
 
 
@@ -614,9 +567,7 @@ _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=[*_TUNE_KEY, "TMA"], prune_config
 _dq_tuned = triton.autotune(_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPB", "DTB"])(
     _bwd_dq_kernel
 )
-_dkdv_tuned = triton.autotune(
-    _DKDV_CONFIGS, key=[*_TUNE_KEY, "FUSED_DQ"], prune_configs_by=_PRUNE, reset_to_zero=["DQ_ACC", "DPB", "DTB"]
-)(_bwd_dkdv_kernel)
+_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_bwd_dkdv_kernel)
 
 # Interpreter tiles: unequal M and N so tests cross tile boundaries both ways.
 _CPU_FWD = {"BLOCK_M": 32, "BLOCK_N": 16}
@@ -636,19 +587,6 @@ def _n_bucket(n: int) -> int:
 def deterministic() -> bool:
     """``GEM_KERNELS_DETERMINISTIC=1`` computes dQ in its own pass, with no atomics, for every variant."""
     return os.environ.get("GEM_KERNELS_DETERMINISTIC", "0") == "1"
-
-
-def _fuse_dq(act: str, has_bias: bool) -> bool:
-    """Whether dQ comes from the dK/dV pass through float32 atomics instead of its own pass.
-
-    Fusing saves two of seven matrix products per tile pair but adds a ``BLOCK_M x D`` tile of
-    atomics, whose summation order (so last bits) varies between runs. On the H200 (bf16, D=128)
-    it pays only with bias tables, where the separate pass would redo the per-score table
-    gathers: forward+backward 57 against 88 ms at N=4096. Without them the separate pass tied or
-    won in three runs (N=8192 full: 383 against 329 TFLOP/s) and needs no float32 dQ buffer.
-    Softmax always runs the separate pass. Bias-table gradients use atomics in both modes.
-    """
-    return act != "softmax" and has_bias and not deterministic()
 
 
 class _Spec:
@@ -681,9 +619,9 @@ def _dummy(device: torch.device) -> torch.Tensor:
 def _common_args(q, k, v, pb, tb, spec):
     heads = q.shape[1]
     dummy = _dummy(q.device)
-    # The kernels index the tables with unit stride along the bucket axis.
-    pb_t = pb.contiguous() if pb is not None else dummy
-    tb_t = tb.contiguous() if tb is not None else dummy
+    # The kernels read float32 tables with unit stride along the bucket axis.
+    pb_t = pb.to(torch.float32).contiguous() if pb is not None else dummy
+    tb_t = tb.to(torch.float32).contiguous() if tb is not None else dummy
     meta = dict(
         ACT=_ACT_CODES[spec.act],
         CAUSAL=spec.causal,
@@ -840,10 +778,8 @@ class _JaggedAttentionFn(torch.autograd.Function):
         spec = ctx.spec
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         batch, heads = q_offsets.numel() - 1, q.shape[1]
-        fused = _fuse_dq(spec.act, pos_bias is not None or time_bias is not None)
-        # Every key row belongs to a sequence, so the dK/dV (and split dQ) kernels write every row;
-        # only the atomic dQ accumulator needs zeros.
-        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
+        # Every row belongs to a sequence, so the kernels write every row of dQ, dK and dV.
+        dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         reps = _bias_grad_replicas(batch * heads, pos_bias, time_bias)
@@ -853,7 +789,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
         dummy = _dummy(q.device)
         dpb_t = dpb if dpb is not None else dummy
         dtb_t = dtb if dtb is not None else dummy
-        scalars.update(
+        tables = dict(
             REPS=reps,
             stride_dpb_rep=dpb.stride(0) if dpb is not None else 0,
             stride_dtb_rep=dtb.stride(0) if dtb is not None else 0,
@@ -871,30 +807,23 @@ class _JaggedAttentionFn(torch.autograd.Function):
             dk.zero_()
             dv.zero_()
         else:
-            if not fused:
-                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
-                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
-                _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
-                        {**scalars, **meta}, q.is_cuda)
-            # Unfused, the dK/dV pass neither reads nor writes dQ and the table gradients, and must not
-            # see them: its autotuner zeroes those arguments around each trial (they are accumulators
-            # when fused), which would wipe what the dQ pass has just written on every first call.
-            acc = (dq, dpb_t, dtb_t) if fused else (dummy, dummy, dummy)
-            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
-                         acc[1], acc[2],
+            # The dQ pass's autotuner zeroes the table-gradient accumulators around each trial; they are
+            # written by that pass only, so no earlier output is among them.
+            dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
+            _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
+                    {**scalars, **tables, **meta}, q.is_cuda)
+            dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                         dq.stride(0), dq.stride(1), lse.stride(0))
+                         lse.stride(0))
             _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", spec.max_kv_len, batch * heads, dkdv_args,
-                    {**scalars, **meta, "FUSED_DQ": fused}, q.is_cuda)
-        if fused:
-            dq_acc, dq = dq, torch.empty(q.shape, device=q.device, dtype=q.dtype)
-            scale = spec.alpha * (1.0 if spec.act == "softmax" else scalars["inv_n"])
-            if dq.numel() > 0:
-                _scale_cast_kernel[(triton.cdiv(dq.numel(), 4096),)](dq_acc, dq, dq.numel(), scale, BLOCK=4096)
-        dpb = dpb.sum(0).to(pos_bias.dtype) if dpb is not None else None
-        dtb = dtb.sum(0).to(time_bias.dtype) if dtb is not None else None
+                    {**scalars, **meta}, q.is_cuda)
+        # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
+        table_scale = 1.0 if spec.act == "softmax" else scalars["inv_n"]
+        dpb = (dpb.sum(0) * table_scale).to(pos_bias.dtype) if dpb is not None else None
+        dtb = (dtb.sum(0) * table_scale).to(time_bias.dtype) if dtb is not None else None
         return dq, dk, dv, dpb, dtb, None, None, None
 
 
