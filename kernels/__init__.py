@@ -6,6 +6,12 @@ force one (the Triton one also runs on CPU tensors under ``TRITON_INTERPRET=1``,
 the tests check it without a GPU). Every backend takes the same arguments and returns the same
 function of them, with gradients for ``q``, ``k``, ``v``, ``pos_bias`` and ``time_bias``.
 
+Inputs are checked at every call for what costs no device sync: shapes, dtypes, devices, and the
+values of CPU tensors. The values of device offsets and ``num_targets`` (sorted, in range) are
+validated once where batches are built (the data pipeline); inside a training step a check of them
+would stall the host on the GPU at every call. :func:`check_values` turns those checks on for CUDA
+tensors too, to debug a pipeline.
+
 The environment variable ``GEM_ATTENTION_BACKEND`` (``pytorch`` or ``triton``), when set and not
 ``auto``, replaces ``backend="auto"`` at every call (an explicit backend is never overridden):
 it runs a whole model on one backend without touching model code, e.g. to benchmark the
@@ -23,14 +29,31 @@ import torch
 
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 
-__all__ = ["ACTIVATIONS", "jagged_attention", "jagged_cross_attention", "route_jagged_attention"]
+__all__ = ["ACTIVATIONS", "check_values", "jagged_attention", "jagged_cross_attention", "route_jagged_attention"]
 
 # Context parallelism (foundation/parallel/context.py) computes the model's unchanged jagged_attention calls on
 # one rank's tokens against every rank's keys; it takes them over through this route.
 _ATTENTION_ROUTE: ContextVar[Callable[..., torch.Tensor] | None] = ContextVar("jagged_attention_route", default=None)
 
+_CHECK_VALUES: ContextVar[bool] = ContextVar("jagged_attention_check_values", default=False)
+
 _BACKENDS = ("auto", "pytorch", "triton")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@contextlib.contextmanager
+def check_values(enabled: bool = True) -> Iterator[None]:
+    """Inside the context the dispatchers also check the values of offsets and ``num_targets`` on
+    CUDA tensors (one device sync per call); outside, only on CPU tensors, where it costs no sync."""
+    token = _CHECK_VALUES.set(enabled)
+    try:
+        yield
+    finally:
+        _CHECK_VALUES.reset(token)
+
+
+def _values_checked(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" or _CHECK_VALUES.get()
 
 
 def _check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, device: torch.device) -> int:
@@ -42,6 +65,12 @@ def _check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, de
         raise ValueError(f"{name} is on {offsets.device} but the inputs are on {device}")
     if not isinstance(max_len, int) or max_len < 0:
         raise ValueError(f"the max length for {name} must be a non-negative int, got {max_len!r}")
+    if _values_checked(offsets):
+        _check_offset_values(name, offsets, rows, max_len)
+    return offsets.numel() - 1
+
+
+def _check_offset_values(name: str, offsets: torch.Tensor, rows: int, max_len: int) -> None:
     lengths = offsets[1:] - offsets[:-1]
     # One device sync for every value check together.
     first, last, shortest, longest = torch.stack(
@@ -58,7 +87,17 @@ def _check_offsets(name: str, offsets: torch.Tensor, rows: int, max_len: int, de
         raise ValueError(f"{name} must be non-decreasing")
     if longest > max_len:
         raise ValueError(f"{name} has a sequence of length {longest} > max length {max_len}")
-    return offsets.numel() - 1
+
+
+def _check_num_targets(num_targets: torch.Tensor, offsets: torch.Tensor, batch: int, device: torch.device) -> None:
+    if not isinstance(num_targets, torch.Tensor) or num_targets.shape != (batch,):
+        raise ValueError(f"num_targets must be [B]=[{batch}], got {getattr(num_targets, 'shape', num_targets)}")
+    if num_targets.device != device or num_targets.dtype.is_floating_point:
+        raise ValueError(f"num_targets must be an integer tensor on {device}")
+    if _values_checked(num_targets):
+        lengths = offsets[1:] - offsets[:-1]
+        if bool(((num_targets < 0) | (num_targets > lengths)).any()):
+            raise ValueError("num_targets must lie in [0, length] for every sequence")
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_rows: bool) -> None:
@@ -193,13 +232,7 @@ def jagged_attention(
     batch = offsets.numel() - 1
     heads = q.shape[1]
     if num_targets is not None:
-        if not isinstance(num_targets, torch.Tensor) or num_targets.shape != (batch,):
-            raise ValueError(f"num_targets must be [B]=[{batch}], got {getattr(num_targets, 'shape', num_targets)}")
-        if num_targets.device != q.device or num_targets.dtype.is_floating_point:
-            raise ValueError(f"num_targets must be an integer tensor on {q.device}")
-        lengths = offsets[1:] - offsets[:-1]
-        if bool(((num_targets < 0) | (num_targets > lengths)).any()):
-            raise ValueError("num_targets must lie in [0, length] for every sequence")
+        _check_num_targets(num_targets, offsets, batch, q.device)
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if alpha is not None and not isinstance(alpha, (int, float)):

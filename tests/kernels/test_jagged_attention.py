@@ -473,6 +473,25 @@ def test_bad_input_names_the_argument(change, message):
         jagged_attention(*positional, **args)
 
 
+def test_device_values_are_checked_only_on_request():
+    """On a GPU a check of offsets' or num_targets' values stalls the host at every call, so the
+    dispatchers check them only for CPU tensors unless check_values() asks. Meta tensors stand in for
+    device ones: they have no values, and reading one raises."""
+    offsets = torch.empty(3, dtype=torch.int64, device="meta")
+    num_targets = torch.empty(2, dtype=torch.int64, device="meta")
+    meta = torch.device("meta")
+    assert kernels._check_offsets("offsets", offsets, 7, 4, meta) == 2
+    kernels._check_num_targets(num_targets, offsets, 2, meta)
+    with kernels.check_values():
+        with pytest.raises(NotImplementedError, match="meta"):
+            kernels._check_offsets("offsets", offsets, 7, 4, meta)
+        with pytest.raises(RuntimeError, match="meta"):
+            kernels._check_num_targets(num_targets, offsets, 2, meta)
+    # Metadata is checked everywhere.
+    with pytest.raises(ValueError, match="int64 or int32"):
+        kernels._check_offsets("offsets", offsets.float(), 7, 4, meta)
+
+
 def test_cross_attention_bad_offsets():
     q, k = torch.randn(3, 1, 8), torch.randn(5, 1, 8)
     with pytest.raises(ValueError, match="kv_offsets"):
