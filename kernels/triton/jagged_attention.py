@@ -28,13 +28,14 @@ Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON
 from __future__ import annotations
 
 import functools
-import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.spec import AttentionSpec
 from kernels.triton.bias import add_bias, add_position_grad, add_time_grad, time_bucket
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
@@ -589,21 +590,42 @@ def deterministic() -> bool:
     return os.environ.get("GEM_KERNELS_DETERMINISTIC", "0") == "1"
 
 
-class _Spec:
-    """Everything about a call that is not a differentiable tensor."""
+@dataclass(frozen=True)
+class _KernelCall:
+    """A call as the kernels take it: the non-differentiable part of an :class:`AttentionSpec` in
+    kernel form (int64 targets, float32 relative times, resolved scales), plus the batch's shape."""
 
-    def __init__(self, act, causal, alpha, window, num_targets, timestamps, max_q_len, max_kv_len, batch,
-                 query_timestamps=None):
-        self.batch = batch
-        self.act = act
-        self.causal = causal
-        self.alpha = alpha
-        self.window = window
-        self.num_targets = num_targets
-        self.timestamps = timestamps
-        self.query_timestamps = query_timestamps
-        self.max_q_len = max_q_len
-        self.max_kv_len = max_kv_len
+    act: str
+    causal: bool
+    alpha: float
+    inv_n: float
+    window: int | None
+    num_targets: torch.Tensor | None
+    timestamps: torch.Tensor | None
+    query_timestamps: torch.Tensor | None
+    max_q_len: int
+    max_kv_len: int
+    batch: int
+
+    @classmethod
+    def of_self_attention(cls, spec: AttentionSpec, q: torch.Tensor, offsets: torch.Tensor, max_len: int):
+        has_time = spec.time_bias is not None
+        qts = spec.query_timestamps
+        return cls(
+            act=spec.activation,
+            causal=spec.causal,
+            alpha=spec.scale(q.shape[-1]),
+            inv_n=1.0 / spec.pointwise_divisor(max_len),
+            window=spec.window,
+            num_targets=spec.num_targets.to(torch.int64).contiguous() if spec.num_targets is not None else None,
+            timestamps=relative_timestamps(spec.timestamps, offsets) if has_time else None,
+            query_timestamps=relative_timestamps(qts, offsets, origin=spec.timestamps)
+            if has_time and qts is not None
+            else None,
+            max_q_len=max_len,
+            max_kv_len=max_len,
+            batch=offsets.numel() - 1,
+        )
 
 
 _DUMMIES: dict[torch.device, torch.Tensor] = {}
@@ -616,17 +638,17 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return _DUMMIES[device]
 
 
-def _common_args(q, k, v, pb, tb, spec):
+def _common_args(q, k, v, pb, tb, call):
     heads = q.shape[1]
     dummy = _dummy(q.device)
     # The kernels read float32 tables with unit stride along the bucket axis.
     pb_t = pb.to(torch.float32).contiguous() if pb is not None else dummy
     tb_t = tb.to(torch.float32).contiguous() if tb is not None else dummy
     meta = dict(
-        ACT=_ACT_CODES[spec.act],
-        CAUSAL=spec.causal,
-        HAS_TARGETS=spec.num_targets is not None,
-        HAS_WINDOW=spec.window is not None,
+        ACT=_ACT_CODES[call.act],
+        CAUSAL=call.causal,
+        HAS_TARGETS=call.num_targets is not None,
+        HAS_WINDOW=call.window is not None,
         HAS_PB=pb is not None,
         HAS_TB=tb is not None,
         FAST=q.is_cuda,
@@ -641,15 +663,15 @@ def _common_args(q, k, v, pb, tb, spec):
         P_SIZE=pb.shape[1] if pb is not None else 1,
         T_SIZE=tb.shape[1] if tb is not None else 1,
         H=heads,
-        alpha=spec.alpha,
-        inv_n=1.0 / max(spec.max_kv_len, 1),
-        window=spec.window if spec.window is not None else 0,
-        N_BUCKET=_n_bucket(spec.max_kv_len),
-        AVG_BUCKET=_n_bucket(k.shape[0] // max(spec.batch, 1)),
+        alpha=call.alpha,
+        inv_n=call.inv_n,
+        window=call.window if call.window is not None else 0,
+        N_BUCKET=_n_bucket(call.max_kv_len),
+        AVG_BUCKET=_n_bucket(k.shape[0] // max(call.batch, 1)),
     )
-    nt = spec.num_targets if spec.num_targets is not None else dummy
-    ts = spec.timestamps if spec.timestamps is not None else dummy
-    qts = spec.query_timestamps if spec.query_timestamps is not None else ts
+    nt = call.num_targets if call.num_targets is not None else dummy
+    ts = call.timestamps if call.timestamps is not None else dummy
+    qts = call.query_timestamps if call.query_timestamps is not None else ts
     return pb_t, tb_t, nt, (ts, qts), meta, scalars
 
 
@@ -754,28 +776,28 @@ def _zeros_replicated(reps: int, table: torch.Tensor | None) -> torch.Tensor | N
 
 class _JaggedAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pos_bias, time_bias, q_offsets, kv_offsets, spec):
+    def forward(ctx, q, k, v, pos_bias, time_bias, q_offsets, kv_offsets, call):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         batch, heads = q_offsets.numel() - 1, q.shape[1]
         out = torch.empty(q.shape[0], heads, v.shape[2], device=q.device, dtype=v.dtype)
         lse = torch.empty(heads, q.shape[0], device=q.device, dtype=torch.float32)
-        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
+        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         order = _longest_first(q_offsets, kv_offsets)
-        if batch * heads > 0 and spec.max_q_len > 0:
+        if batch * heads > 0 and call.max_q_len > 0:
             args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
             tma = _use_tma(q, k, v)
-            _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, args,
+            _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
                     {**scalars, **meta, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda)
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias)
-        ctx.spec = spec
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias = ctx.saved_tensors
-        spec = ctx.spec
+        call = ctx.call
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         batch, heads = q_offsets.numel() - 1, q.shape[1]
         # Every row belongs to a sequence, so the kernels write every row of dQ, dK and dV.
@@ -785,7 +807,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
         reps = _bias_grad_replicas(batch * heads, pos_bias, time_bias)
         dpb = _zeros_replicated(reps, pos_bias)
         dtb = _zeros_replicated(reps, time_bias)
-        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
+        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         dummy = _dummy(q.device)
         dpb_t = dpb if dpb is not None else dummy
         dtb_t = dtb if dtb is not None else dummy
@@ -794,14 +816,14 @@ class _JaggedAttentionFn(torch.autograd.Function):
             stride_dpb_rep=dpb.stride(0) if dpb is not None else 0,
             stride_dtb_rep=dtb.stride(0) if dtb is not None else 0,
         )
-        delta = torch.empty_like(lse) if spec.act == "softmax" else lse
-        if spec.act == "softmax" and q.shape[0] > 0:
+        delta = torch.empty_like(lse) if call.act == "softmax" else lse
+        if call.act == "softmax" and q.shape[0] > 0:
             rows = _CPU_FWD["BLOCK_M"] if not q.is_cuda else 64
             _bwd_delta_kernel[(triton.cdiv(q.shape[0], rows), heads)](
                 out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), q.shape[0],
                 DV=v.shape[2], BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=rows,
             )
-        if batch * heads == 0 or spec.max_q_len == 0 or spec.max_kv_len == 0:
+        if batch * heads == 0 or call.max_q_len == 0 or call.max_kv_len == 0:
             # Nothing attends: every gradient is zero (rows may still exist on the other side).
             dq.zero_()
             dk.zero_()
@@ -812,62 +834,32 @@ class _JaggedAttentionFn(torch.autograd.Function):
             dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
-            _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
+            _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
                     {**scalars, **tables, **meta}, q.is_cuda)
             dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                          lse.stride(0))
-            _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", spec.max_kv_len, batch * heads, dkdv_args,
+            _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", call.max_kv_len, batch * heads, dkdv_args,
                     {**scalars, **meta}, q.is_cuda)
         # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
-        table_scale = 1.0 if spec.act == "softmax" else scalars["inv_n"]
+        table_scale = 1.0 if call.act == "softmax" else scalars["inv_n"]
         dpb = (dpb.sum(0) * table_scale).to(pos_bias.dtype) if dpb is not None else None
         dtb = (dtb.sum(0) * table_scale).to(time_bias.dtype) if dtb is not None else None
         return dq, dk, dv, dpb, dtb, None, None, None
 
 
-def _default_alpha(alpha: float | None, q: torch.Tensor) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if alpha is None else float(alpha)
-
-
 def jagged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    max_len: int,
-    *,
-    activation: str = "silu",
-    causal: bool = True,
-    alpha: float | None = None,
-    num_targets: torch.Tensor | None = None,
-    window: int | None = None,
-    pos_bias: torch.Tensor | None = None,
-    time_bias: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, spec: AttentionSpec
 ) -> torch.Tensor:
-    """Triton jagged self-attention; see :func:`kernels.jagged_attention` (no input checks here).
+    """Triton jagged self-attention of ``spec`` (:class:`kernels.spec.AttentionSpec`; the dispatcher
+    checks the inputs, this does not).
 
     Shapes: q, k ``[L, H, Dqk]``, v ``[L, H, Dv]``, offsets ``[B + 1]`` -> ``[L, H, Dv]``.
     """
     offsets = offsets.to(torch.int64).contiguous()
-    spec = _Spec(
-        activation,
-        causal,
-        _default_alpha(alpha, q),
-        window,
-        num_targets.to(torch.int64).contiguous() if num_targets is not None else None,
-        relative_timestamps(timestamps, offsets) if time_bias is not None else None,
-        max_len,
-        max_len,
-        offsets.numel() - 1,
-        relative_timestamps(query_timestamps, offsets, origin=timestamps)
-        if time_bias is not None and query_timestamps is not None
-        else None,
-    )
-    return _JaggedAttentionFn.apply(q, k, v, pos_bias, time_bias, offsets, offsets, spec)
+    call = _KernelCall.of_self_attention(spec, q, offsets, max_len)
+    return _JaggedAttentionFn.apply(q, k, v, spec.pos_bias, spec.time_bias, offsets, offsets, call)
 
 
 def relative_timestamps(
@@ -903,8 +895,12 @@ def jagged_cross_attention(
 
     Shapes: q ``[Lq, H, Dqk]``, k ``[Lkv, H, Dqk]``, v ``[Lkv, H, Dv]`` -> ``[Lq, H, Dv]``.
     """
-    spec = _Spec(activation, False, _default_alpha(alpha, q), None, None, None, max_q_len, max_kv_len,
-                 q_offsets.numel() - 1)
+    spec = AttentionSpec(activation=activation, causal=False, alpha=alpha)
+    call = _KernelCall(
+        act=activation, causal=False, alpha=spec.scale(q.shape[-1]), inv_n=1.0 / spec.pointwise_divisor(max_kv_len),
+        window=None, num_targets=None, timestamps=None, query_timestamps=None, max_q_len=max_q_len,
+        max_kv_len=max_kv_len, batch=q_offsets.numel() - 1,
+    )
     return _JaggedAttentionFn.apply(
-        q, k, v, None, None, q_offsets.to(torch.int64).contiguous(), kv_offsets.to(torch.int64).contiguous(), spec
+        q, k, v, None, None, q_offsets.to(torch.int64).contiguous(), kv_offsets.to(torch.int64).contiguous(), call
     )

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import jagged_attention, jagged_cross_attention
+from kernels import AttentionSpec, jagged_attention, jagged_cross_attention
+from kernels.checks import check_num_targets, check_offsets
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import time_bucket
 from kernels.triton import jagged_attention as triton_backend
@@ -235,7 +236,7 @@ def test_non_finite_values_stay_in_their_own_sequence(activation, tma, monkeypat
     offsets = _offsets(lengths)
     kwargs = dict(activation=activation, causal=True)
     with torch.no_grad():
-        got = triton_backend.jagged_attention(q, k, v, offsets, 37, **kwargs)
+        got = triton_backend.jagged_attention(q, k, v, offsets, 37, AttentionSpec(**kwargs))
         for b in (0, 2):
             rows = slice(int(offsets[b]), int(offsets[b + 1]))
             want = kernels.jagged_attention(q[rows], k[rows], v[rows], _offsets([lengths[b]]), 37,
@@ -368,6 +369,21 @@ def test_triton_backward_is_deterministic(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["pytorch", "triton"])
+def test_divisor_replaces_max_len_for_pointwise_activations(backend):
+    """HSTU divides by a fixed N, not the batch's longest sequence: with ``divisor`` the output is the
+    max_len-divided one scaled by max_len / divisor, and so is every gradient (softmax ignores it)."""
+    lengths = [9, 0, 14]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=4, pos=6, time=5)
+    offsets = _offsets(lengths)
+    base = _run(backend, t, offsets, 14, 2, activation="silu", causal=True)
+    fixed = _run(backend, t, offsets, 14, 2, activation="silu", causal=True, divisor=40)
+    _assert_close(fixed, [x * (14 / 40) for x in base], 1e-5, f"divisor {backend}")
+    soft = _run(backend, t, offsets, 14, 2, activation="softmax", causal=True)
+    soft_fixed = _run(backend, t, offsets, 14, 2, activation="softmax", causal=True, divisor=40)
+    _assert_close(soft_fixed, soft, 1e-6, f"softmax divisor {backend}")
+
+
 def test_all_empty_batch():
     t = _inputs([0, 0], 2, 16, 16, torch.float32, seed=0)
     got = _run("triton", t, _offsets([0, 0]), 0, 0, activation="softmax")
@@ -463,6 +479,8 @@ def test_env_var_overrides_auto_backend_only(monkeypatch):
         (dict(time_bias=torch.randn(2, 4), timestamps=torch.arange(7), query_timestamps=torch.arange(7.0)),
          "query_timestamps"),
         (dict(backend="cuda"), "backend"),
+        (dict(causl=True), "unknown options"),
+        (dict(divisor=0), "divisor"),
     ],
 )
 def test_bad_input_names_the_argument(change, message):
@@ -480,16 +498,16 @@ def test_device_values_are_checked_only_on_request():
     offsets = torch.empty(3, dtype=torch.int64, device="meta")
     num_targets = torch.empty(2, dtype=torch.int64, device="meta")
     meta = torch.device("meta")
-    assert kernels._check_offsets("offsets", offsets, 7, 4, meta) == 2
-    kernels._check_num_targets(num_targets, offsets, 2, meta)
+    assert check_offsets("offsets", offsets, 7, 4, meta) == 2
+    check_num_targets(num_targets, offsets, 2, meta)
     with kernels.check_values():
         with pytest.raises(NotImplementedError, match="meta"):
-            kernels._check_offsets("offsets", offsets, 7, 4, meta)
+            check_offsets("offsets", offsets, 7, 4, meta)
         with pytest.raises(RuntimeError, match="meta"):
-            kernels._check_num_targets(num_targets, offsets, 2, meta)
+            check_num_targets(num_targets, offsets, 2, meta)
     # Metadata is checked everywhere.
     with pytest.raises(ValueError, match="int64 or int32"):
-        kernels._check_offsets("offsets", offsets.float(), 7, 4, meta)
+        check_offsets("offsets", offsets.float(), 7, 4, meta)
 
 
 def test_cross_attention_bad_offsets():
