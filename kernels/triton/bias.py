@@ -3,7 +3,7 @@
 A (query ``i``, key ``j``) pair adds ``pos_bias[h, min(|p(i) - p(j)|, P - 1)]`` and
 ``time_bias[h, bucket(qts_i - ts_j)]`` to its score (:mod:`kernels.pytorch.jagged_attention`).
 
-Per score the forward needs an index and a table read. On the GPU (``FAST``) both avoid Triton's
+Per score the forward needs an index and a table read. On the GPU (``PTX``, inline PTX) both avoid Triton's
 pointer tensors: a table read is one non-caching load through a 32-bit index (a ``[M, N]`` tile of 64-bit
 pointers spilled registers and made the pipeliner stage every gathered element through shared memory),
 and the time bucket is one ``lg2.approx`` plus a truncating add instead of the ~25-instruction precise
@@ -53,9 +53,9 @@ _SCATTER_ASM = tl.constexpr(
 
 
 @triton.jit
-def gather(table, idx, FAST: tl.constexpr):
+def gather(table, idx, PTX: tl.constexpr):
     """``table[idx]`` for a float32 table and an int32 index tile whose every entry is in range."""
-    if FAST:
+    if PTX:
         return tl.inline_asm_elementwise(
             _GATHER_ASM, "=f,l,r", [table.to(tl.uint64), idx], dtype=tl.float32, is_pure=True, pack=1
         )
@@ -64,9 +64,9 @@ def gather(table, idx, FAST: tl.constexpr):
 
 
 @triton.jit
-def time_bucket(dt, T_SIZE, FAST: tl.constexpr):
+def time_bucket(dt, T_SIZE, PTX: tl.constexpr):
     """``min(floor(ln(max(|dt|, 1)) / 0.301), T - 1)`` of float32 time differences, as int32."""
-    if FAST:
+    if PTX:
         return tl.inline_asm_elementwise(
             _BUCKET_ASM, "=r,f,f", [dt, (T_SIZE - 1).to(tl.float32)], dtype=tl.int32, is_pure=True, pack=1
         )
@@ -83,7 +83,7 @@ def position_index(qi, kj, n_hist, P_SIZE):
 
 @triton.jit
 def add_bias(s, qi, kj, n_hist, ts_q, ts_k, pb_ptr, tb_ptr, P_SIZE, T_SIZE, scale,
-             HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr):
+             HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, PTX: tl.constexpr):
     """``s + scale * (bias terms)`` for a score tile, and the tile's time buckets (0 without a time table).
 
     ``qi``/``kj`` and ``ts_q``/``ts_k`` are broadcastable query and key positions and times, in either
@@ -91,10 +91,10 @@ def add_bias(s, qi, kj, n_hist, ts_q, ts_k, pb_ptr, tb_ptr, P_SIZE, T_SIZE, scal
     """
     bucket = qi * 0 + kj * 0
     if HAS_PB:
-        s += gather(pb_ptr, position_index(qi, kj, n_hist, P_SIZE), FAST) * scale
+        s += gather(pb_ptr, position_index(qi, kj, n_hist, P_SIZE), PTX) * scale
     if HAS_TB:
-        bucket = time_bucket(ts_q - ts_k, T_SIZE, FAST)
-        s += gather(tb_ptr, bucket, FAST) * scale
+        bucket = time_bucket(ts_q - ts_k, T_SIZE, PTX)
+        s += gather(tb_ptr, bucket, PTX) * scale
     return s, bucket
 
 
@@ -138,7 +138,7 @@ def add_position_grad(ds, m_start, n_start, n_hist, dpb_ptr, P_SIZE,
 
 
 @triton.jit
-def scatter_add(table, idx, value, mask, FAST: tl.constexpr):
+def scatter_add(table, idx, value, mask, PTX: tl.constexpr):
     """``table[idx] += value`` where ``mask``: one float32 atomic per active element (indices in range).
 
     On the GPU each thread adds its own elements in the tile's register layout: Triton's atomics would
@@ -147,7 +147,7 @@ def scatter_add(table, idx, value, mask, FAST: tl.constexpr):
     layout in which every element has one owner (a ``[BLOCK_M, BLOCK_N]`` dot result with
     ``BLOCK_M >= 16 * num_warps``; :func:`kernels.triton.jagged_attention._configs` checks it).
     """
-    if FAST:
+    if PTX:
         tl.inline_asm_elementwise(
             _SCATTER_ASM, "=r,l,r,r,f", [table.to(tl.uint64), idx, mask.to(tl.int32), value], dtype=tl.int32,
             is_pure=False, pack=1,
@@ -157,7 +157,7 @@ def scatter_add(table, idx, value, mask, FAST: tl.constexpr):
 
 
 @triton.jit
-def add_time_grad(ds, bucket, bucket_ref, dtb_ptr, FAST: tl.constexpr):
+def add_time_grad(ds, bucket, bucket_ref, dtb_ptr, PTX: tl.constexpr):
     """Adds a dS tile into the time-table gradient, row by row.
 
     Along a row of a tile the time difference spans a narrow range except near the diagonal, so a
@@ -174,4 +174,4 @@ def add_time_grad(ds, bucket, bucket_ref, dtb_ptr, FAST: tl.constexpr):
     outside = ~(in_ref | in_below)
     # Far from the diagonal no score is outside, and the tile skips the per-score atomics.
     if tl.max(outside.to(tl.int32)) > 0:
-        scatter_add(dtb_ptr, bucket, ds, outside, FAST)
+        scatter_add(dtb_ptr, bucket, ds, outside, PTX)

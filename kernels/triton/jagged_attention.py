@@ -37,6 +37,16 @@ import triton.language as tl
 
 from kernels.spec import AttentionSpec
 from kernels.triton.bias import add_bias, add_position_grad, add_time_grad, time_bucket
+from kernels.triton.configs import (
+    DKDV_CONFIGS,
+    DQ_CONFIGS,
+    FWD_CONFIGS,
+    TUNE_KEY,
+    checked_in_pick,
+    configs_for,
+    entry_key,
+    prune,
+)
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -141,7 +151,7 @@ def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
     kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -153,7 +163,7 @@ def _fwd_tiles(
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
             s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr, tb_ptr,
-                            P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, FAST)
+                            P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         if ACT == 0:
             if MASKED:
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
@@ -227,7 +237,7 @@ def _fwd_kernel(
     stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
     L_Q, L_KV,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -270,14 +280,14 @@ def _fwd_kernel(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
         h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
         TMA,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
         h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
         TMA,
     )
     if ACT == 0:
@@ -296,7 +306,7 @@ def _bwd_dq_tiles(
     dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
     kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -311,7 +321,7 @@ def _bwd_dq_tiles(
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
             s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr,
-                                 tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, FAST)
+                                 tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
             p = tl.math.exp2(s - lse[:, None])
@@ -328,7 +338,7 @@ def _bwd_dq_tiles(
         if HAS_TB:
             # The reference bucket of each row: its first key's, the largest time difference in order.
             ts_first = tl.load(ts_base + start_n)
-            add_time_grad(ds, bucket, time_bucket(ts_m - ts_first, T_SIZE, FAST), dtb_ptr, FAST)
+            add_time_grad(ds, bucket, time_bucket(ts_m - ts_first, T_SIZE, PTX), dtb_ptr, PTX)
     return dq
 
 
@@ -339,7 +349,7 @@ def _bwd_dq_kernel(
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
     AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -379,14 +389,14 @@ def _bwd_dq_kernel(
         dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
         kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
         P_SIZE, T_SIZE, m_start,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
         BLOCK_N,
     )
     dq = _bwd_dq_tiles(
         dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
         kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
         P_SIZE, T_SIZE, m_start,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
         BLOCK_N,
     )
     tl.store(DQ + q_start * stride_dqm + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_dqk[None, :],
@@ -398,7 +408,7 @@ def _bwd_dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom,
     offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -416,7 +426,7 @@ def _bwd_dkdv_tiles(
         if HAS_PB or HAS_TB:
             ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0.0) if HAS_TB else offs_m
             s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
-                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, FAST)
+                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         dp_t = tl.dot(v, tl.trans(do))
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
@@ -445,7 +455,7 @@ def _bwd_dkdv_kernel(
     stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_lse_h, stride_pbh, stride_tbh,
     P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -489,12 +499,12 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
              (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -516,59 +526,12 @@ def _bwd_delta_kernel(Out, DO, DELTA, stride_om, stride_oh, stride_dom, stride_d
     tl.store(DELTA + h * L + offs_m, delta, mask=offs_m < L)
 
 
-def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` tuples as configs, tagged by the variants they serve."""
-    out = []
-    for tag, rows in (("plain", plain), ("biased", biased)):
-        for bm, bn, warps, stages in rows:
-            config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-            config.gem_tag = tag
-            out.append(config)
-    return out
-
-
-# Each list's first config is the one used untuned (GEM_KERNELS_AUTOTUNE=0). The biased variants get
-# tiles of their own: the per-score bias work needs registers (tiles chosen by the registers and
-# spills of their compiled code, docs/benchmarks.md). The biased dQ pass needs BLOCK_M >= BLOCK_N
-# (position gradient) and BLOCK_M >= 16 * num_warps (one owner per element for its scatter).
-_FWD_CONFIGS = _configs(
-    plain=[(256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
-    biased=[(128, 64, 8, 3), (128, 32, 4, 3)],
-)
-_DQ_CONFIGS = _configs(
-    plain=[(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
-    biased=[(128, 32, 8, 2), (64, 32, 4, 2)],
-)
-_DKDV_CONFIGS = _configs(
-    plain=[(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
-    biased=[(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
-)
-assert all(
-    c.kwargs["BLOCK_M"] >= max(c.kwargs["BLOCK_N"], 16 * c.num_warps) for c in _DQ_CONFIGS if c.gem_tag == "biased"
-)
-
-
-def _configs_for(configs: list[triton.Config], meta: dict) -> list[triton.Config]:
-    """The configs of ``configs`` that serve this variant (biased or not)."""
-    tag = "biased" if meta.get("HAS_PB") or meta.get("HAS_TB") else "plain"
-    return [c for c in configs if c.gem_tag == tag]
-
-
-def _prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
-    return _configs_for(configs, meta)
-
-
-# Autotuning is keyed per variant and per bucket of the longest and the mean length (a full
-# batch and a heavy-tailed one of the same N want different tiles); the pruned spaces keep
-# first-call compile time to a few configs per kernel. Only the CUDA path is tuned: the
-# interpreter runs fixed tiles.
-_TUNE_KEY = ["N_BUCKET", "AVG_BUCKET", "DQK", "DV", "ACT", "CAUSAL", "HAS_TARGETS", "HAS_WINDOW", "HAS_PB", "HAS_TB"]
-_PRUNE = {"early_config_prune": _prune}
-_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=[*_TUNE_KEY, "TMA"], prune_configs_by=_PRUNE)(_fwd_kernel)
-_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPB", "DTB"])(
+_PRUNE = {"early_config_prune": prune}
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=[*TUNE_KEY, "TMA"], prune_configs_by=_PRUNE)(_fwd_kernel)
+_dq_tuned = triton.autotune(DQ_CONFIGS, key=TUNE_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPB", "DTB"])(
     _bwd_dq_kernel
 )
-_dkdv_tuned = triton.autotune(_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_bwd_dkdv_kernel)
+_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=TUNE_KEY, prune_configs_by=_PRUNE)(_bwd_dkdv_kernel)
 
 # Interpreter tiles: unequal M and N so tests cross tile boundaries both ways.
 _CPU_FWD = {"BLOCK_M": 32, "BLOCK_N": 16}
@@ -652,6 +615,8 @@ def _common_args(q, k, v, pb, tb, call):
         HAS_PB=pb is not None,
         HAS_TB=tb is not None,
         FAST=q.is_cuda,
+        # Inline PTX for the bias tables' reads, buckets and scatter (kernels/triton/bias.py).
+        PTX=q.is_cuda,
         DQK=q.shape[2],
         DV=v.shape[2],
         BLOCK_DQK=_block_d(q.shape[2]),
@@ -717,29 +682,31 @@ def _autotune_enabled() -> bool:
     return os.environ.get("GEM_KERNELS_AUTOTUNE", "1") != "0"
 
 
-# The config the autotuner picked for each (kernel, dtype, tuning key). Triton's autotuner spends
-# tens of microseconds of Python per call rebuilding its key from all ~60 arguments; with the pick
-# known, the plain kernel launches directly, which matters for short (heavy-tailed) batches whose
-# kernels run for less time than their launches take.
+# The config each launch took, by (kernel, dtype, tuning key): later launches skip the lookup, and
+# tuned ones skip Triton's autotuner, which spends tens of microseconds of Python per call rebuilding
+# its key from all ~60 arguments (that matters for short, heavy-tailed batches).
 _PICKS: dict[tuple, triton.Config] = {}
+# What the autotuner picked in this process, by table entry (kernels.triton.configs.write_tuned).
+TUNED: dict[str, triton.Config] = {}
 
 
 def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
     """A 1-D grid of ``B * H * cdiv(grid_rows, block)`` programs (:func:`_program`), where
-    ``block_key`` names the tile that splits the rows."""
+    ``block_key`` names the tile that splits the rows; the config as :mod:`kernels.triton.configs` says."""
     kwargs = {**kwargs, "ROWS": grid_rows}
     if not on_cuda:
         plain[(batch_heads * triton.cdiv(grid_rows, cpu_blocks[block_key]),)](*args, **kwargs, **cpu_blocks)
         return
-    if _autotune_enabled():
-        pick = (plain.__name__, args[0].dtype, *(kwargs[name] for name in tuned.keys))
-        config = _PICKS.get(pick)
-        if config is None:
+    pick = (plain.__name__, args[0].dtype, *(kwargs[name] for name in tuned.keys))
+    config = _PICKS.get(pick)
+    if config is None:
+        entry = entry_key(plain.__name__, args[0].dtype, tuned.keys, kwargs)
+        config = checked_in_pick(args[0].device, entry)
+        if config is None and _autotune_enabled():
             tuned[lambda meta: (batch_heads * triton.cdiv(grid_rows, meta[block_key]),)](*args, **kwargs)
-            _PICKS[pick] = tuned.best_config
+            _PICKS[pick] = TUNED[entry] = tuned.best_config
             return
-    else:
-        config = _configs_for(tuned.configs, kwargs)[0]
+        config = _PICKS[pick] = config or configs_for(tuned.configs, kwargs)[0]
     plain[(batch_heads * triton.cdiv(grid_rows, config.kwargs[block_key]),)](*args, **kwargs, **config.all_kwargs())
 
 
