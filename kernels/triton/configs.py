@@ -58,9 +58,14 @@ DKDV_CONFIGS = _configs(
     plain=[(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
     biased=[(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
 )
-assert all(
-    c.kwargs["BLOCK_M"] >= max(c.kwargs["BLOCK_N"], 16 * c.num_warps) for c in DQ_CONFIGS if c.gem_tag == "biased"
-)
+
+
+def biased_dq_ok(config: triton.Config) -> bool:
+    """Whether the biased dQ pass can run ``config`` (module doc)."""
+    return config.kwargs["BLOCK_M"] >= max(config.kwargs["BLOCK_N"], 16 * config.num_warps)
+
+
+assert all(biased_dq_ok(c) for c in DQ_CONFIGS if c.gem_tag == "biased")
 
 
 def configs_for(configs: list[triton.Config], meta: dict) -> list[triton.Config]:
@@ -109,6 +114,10 @@ def _table(path: str, device: str) -> dict[str, list[tuple[dict[str, int], trito
     for entry, (bm, bn, warps, stages) in picks.items():
         variant, lengths = _split(entry)
         config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+        biased = "HAS_PB=True" in variant or "HAS_TB=True" in variant
+        if variant.startswith("_bwd_dq_kernel,") and biased and not biased_dq_ok(config):
+            raise ValueError(f"{path}: entry {entry!r} of {device!r}: the biased dQ pass needs "
+                             f"BLOCK_M >= max(BLOCK_N, 16 * num_warps), got {[bm, bn, warps, stages]}")
         table.setdefault(variant, []).append(({k: int(v) for k, v in lengths.items()}, config))
     return table
 

@@ -83,3 +83,14 @@ def test_launch_takes_the_checked_in_pick_then_the_heuristic_without_tuning(tabl
     taken.clear()
     jagged_attention(q, k, v, offsets, 25, activation="softmax", backend="triton")
     assert taken == [configs.configs_for(configs.FWD_CONFIGS, {})[0].kwargs]
+
+
+def test_a_checked_in_biased_dq_tile_that_breaks_the_kernel_is_refused(table):
+    """The biased dQ pass scatters from its registers, which needs one owner per element: a hand-edited
+    table entry with too small a BLOCK_M is an error naming the entry, not double-counted gradients."""
+    meta = dict(N_BUCKET=64, AVG_BUCKET=64, DQK=16, DV=16, ACT=1, CAUSAL=True, HAS_TARGETS=False,
+                HAS_WINDOW=False, HAS_PB=True, HAS_TB=True)
+    entry = configs.entry_key("_bwd_dq_kernel", torch.float32, configs.TUNE_KEY, meta)
+    table.write_text(json.dumps({DEVICE_KEY: {entry: [64, 32, 8, 2]}}))
+    with pytest.raises(ValueError, match=r"_bwd_dq_kernel.*BLOCK_M >= max"):
+        configs.checked_in_pick(torch.device("cpu"), entry)
