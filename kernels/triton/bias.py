@@ -157,6 +157,11 @@ def scatter_add(table, idx, value, mask, PTX: tl.constexpr):
 
 
 @triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
 def add_time_grad(ds, bucket, bucket_ref, dtb_ptr, PTX: tl.constexpr):
     """Adds a dS tile into the time-table gradient, row by row.
 
@@ -168,10 +173,13 @@ def add_time_grad(ds, bucket, bucket_ref, dtb_ptr, PTX: tl.constexpr):
     ref = bucket_ref[:, None]
     in_ref = bucket == ref
     in_below = bucket == ref - 1
-    tl.atomic_add(dtb_ptr + bucket_ref, tl.sum(tl.where(in_ref, ds, 0.0), 1), sem="relaxed")
-    below = tl.maximum(bucket_ref - 1, 0)
-    tl.atomic_add(dtb_ptr + below, tl.sum(tl.where(in_below, ds, 0.0), 1), mask=bucket_ref > 0, sem="relaxed")
     outside = ~(in_ref | in_below)
+    # One reduction for the three row sums keeps them in the tile's register layout.
+    ref_sum, below_sum, n_outside = tl.reduce(
+        (tl.where(in_ref, ds, 0.0), tl.where(in_below, ds, 0.0), tl.where(outside, 1.0, 0.0)), 1, _add3
+    )
+    tl.atomic_add(dtb_ptr + bucket_ref, ref_sum, sem="relaxed")
+    tl.atomic_add(dtb_ptr + tl.maximum(bucket_ref - 1, 0), below_sum, mask=bucket_ref > 0, sem="relaxed")
     # Far from the diagonal no score is outside, and the tile skips the per-score atomics.
-    if tl.max(outside.to(tl.int32)) > 0:
+    if tl.max(n_outside, 0) > 0:
         scatter_add(dtb_ptr, bucket, ds, outside, PTX)
