@@ -3,15 +3,15 @@
 A (query ``i``, key ``j``) pair adds ``pos_bias[h, min(|p(i) - p(j)|, P - 1)]`` and
 ``time_bias[h, bucket(qts_i - ts_j)]`` to its score (:mod:`kernels.pytorch.jagged_attention`).
 
-Per score the forward needs an index and a table read. On the GPU (``PTX``, inline PTX) both avoid Triton's
-pointer tensors: a table read is one non-caching load through a 32-bit index (a ``[M, N]`` tile of 64-bit
-pointers spilled registers and made the pipeliner stage every gathered element through shared memory),
-and the time bucket is one ``lg2.approx`` plus a truncating add instead of the ~25-instruction precise
-``log``. The interpreter runs the plain ``tl`` forms of the same formulas.
+Per score the forward needs an index and a table read. On the GPU (``PTX``: inline PTX) both avoid
+Triton's pointer tensors: a table read is one non-caching load through a 32-bit index (a ``[M, N]``
+tile of 64-bit pointers spilled registers and made the pipeliner stage every gathered element
+through shared memory), and the time bucket is one ``lg2.approx`` plus a truncating add instead of
+the ~25-instruction precise ``log``. The interpreter runs the plain ``tl`` forms of the formulas.
 
-The gradient of a table entry is the sum of dS over the scores that read it. Adding every score with
-an atomic (~1e9 per layer at N=4,096) was what made the biased backward 10x slower than the unbiased
-one, so each tile is reduced first:
+The gradient of a table entry is the sum of dS over the scores that read it. One float32 atomic per
+score and table (4.3e9 per layer at N=4,096, B=32, H=8) was what made the biased backward slow
+(docs/benchmarks.md), so the dQ pass reduces each tile first:
 
 - position: the entry depends on the tile's diagonal only, so the tile's dS is reduced to diagonal
   sums (:func:`add_position_grad`): a few atomics per diagonal instead of one per score;
