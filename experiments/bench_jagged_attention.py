@@ -487,9 +487,9 @@ def teacher_check(n: int, biased: bool, gen: torch.Generator) -> dict:
     """The variant's first call in this process (autotuned or not) against the float32 reference:
     lengths 0, 1, 17, n/3 and n, every gradient."""
     b = teacher_batch([n, 0, 1, max(n // 3, 2), 17], gen, biased)
-    q, k, v, offsets, options = b["q"], b["k"], b["v"], b["offsets"], b["options"]
-    got = fwd_bwd(lambda: tri_attention(q, k, v, offsets, n, **options), b["grads"], 3)
-    want = fwd_bwd(lambda: ref_attention(q.float(), k.float(), v.float(), offsets, n, **options), b["grads"], 3)
+    q, k, v, offsets, longest, options = b["q"], b["k"], b["v"], b["offsets"], b["n"], b["options"]
+    got = fwd_bwd(lambda: tri_attention(q, k, v, offsets, longest, **options), b["grads"], 3)
+    want = fwd_bwd(lambda: ref_attention(q.float(), k.float(), v.float(), offsets, longest, **options), b["grads"], 3)
     names = ["out", "dq", "dk", "dv", "dpos", "dtime"][: len(got)]
     errs = {nm: rel_err(a, w) for nm, a, w in zip(names, got, want, strict=True)}
     finite = all(torch.isfinite(a).all().item() for a in got)
