@@ -67,8 +67,17 @@ def run_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.train.out_dir) / cfg.name
 
 
+class TrainedCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that writes no ``last.ckpt`` at the end of a fit that took no step: that file
+    would hold an untrained model that a later run resumes from or a later stage reads as trained."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step > 0:
+            super().on_train_end(trainer, pl_module)
+
+
 def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Trainer:
-    checkpoint = ModelCheckpoint(
+    checkpoint = TrainedCheckpoint(
         dirpath=run_dir(cfg) / "checkpoints",
         save_last=True,
         save_top_k=0,
