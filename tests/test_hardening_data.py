@@ -20,7 +20,6 @@ import pytest
 from foundation.data.converters import convert
 from foundation.data.io import (
     CorruptFileError,
-    adopt_shards,
     checksum_path,
     iter_valid_row_groups,
     list_shards,

@@ -24,7 +24,14 @@ from foundation.data.io import sha256_file
 from gem.packaging import SERVING_FILE, register_value_model
 from tests.test_serving import build_world
 from transfer.store import open_store
-from value_models.serving import STUDENT_CONFIG, STUDENT_WEIGHTS, LatencyBudget, Scorer, ServingConfig, load_student
+from value_models.serving import (
+    STUDENT_CONFIG,
+    STUDENT_WEIGHTS,
+    LatencyBudget,
+    Scorer,
+    ServingConfig,
+    load_student,
+)
 
 NAME, ALIAS = "gem-student", "champion"
 MAX_CANDIDATES = 32
