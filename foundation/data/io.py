@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from foundation.data.schema import EventSchema
 from foundation.data.validate import DataValidationError, find_bad_rows
+from foundation.messages import clip
 
 POLICIES = ("error", "quarantine")
 CHECKSUM_SUFFIX = ".sha256"
@@ -162,9 +163,11 @@ def verify_checksum(path: str | Path) -> None:
 def open_parquet(path: str | Path) -> pq.ParquetFile:
     """Open a Parquet file whose page CRCs are checked at every read; raise naming it if it is unreadable."""
     try:
-        return pq.ParquetFile(path, page_checksum_verification=True)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise CorruptFileError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from exc
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        pf.schema_arrow  # noqa: B018  (decodes the footer's names: a damaged one raises here, not later)
+        return pf
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: a name that is not UTF-8
+        raise CorruptFileError(f"{path}: not a readable Parquet file (truncated or corrupt?): {clip(str(exc))}") from None
 
 
 def open_shard(path: str | Path, schema: EventSchema) -> pq.ParquetFile:
@@ -218,8 +221,8 @@ def check_columns(actual: pa.Schema, schema: EventSchema, *, where: str) -> None
 def read_row_group(pf: pq.ParquetFile, index: int, *, where: str) -> pa.Table:
     try:
         return pf.read_row_group(index)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise CorruptFileError(f"{where}: row group {index} is unreadable (truncated or corrupt?): {exc}") from exc
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptFileError(f"{where}: row group {index} is unreadable (truncated or corrupt?): {clip(str(exc))}") from None
 
 
 @dataclass
