@@ -173,6 +173,12 @@ def test_a_flip_after_verification_with_the_mtime_restored_is_caught_by_page_crc
         list(iter_valid_row_groups(path, SCHEMA))
 
 
+def test_a_split_directory_still_reads_as_one_parquet_dataset(dataset):
+    """Sidecars are dot-files, which pyarrow (and pandas, Spark) skip when reading a directory."""
+    assert checksum_path(shard_path(dataset, "train", 0)).is_file()
+    assert pq.read_table(dataset / "train").num_rows == 256
+
+
 def test_shards_without_checksums_are_refused_until_adopted(dataset, tmp_path, capsys):
     shard = shard_path(dataset, "train", 0)
     checksum_path(shard).unlink()

@@ -4,7 +4,8 @@ Layout of a dataset directory::
 
     schema.json
     train/part-00000.parquet ...
-    train/part-00000.parquet.sha256 ...  (the shard's sha256, ``sha256sum`` format)
+    train/.part-00000.parquet.sha256 ... (the shard's sha256, ``sha256sum`` format; hidden, so that
+                                          pyarrow, pandas and Spark read a split directory as before)
     valid/...
     test/...
     quarantine/<split>-<shard>.parquet   (bad rows with a reason, under the quarantine policy)
@@ -85,9 +86,9 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 def checksum_path(path: str | Path) -> Path:
-    """The ``.sha256`` sidecar of a Parquet file."""
+    """The sidecar of a Parquet file, ``.<name>.sha256``: dataset readers skip names that start with a dot."""
     path = Path(path)
-    return path.with_name(path.name + CHECKSUM_SUFFIX)
+    return path.with_name(f".{path.name}{CHECKSUM_SUFFIX}")
 
 
 def write_checksum(path: str | Path) -> str:
@@ -170,13 +171,16 @@ def open_parquet(path: str | Path) -> pq.ParquetFile:
         raise CorruptFileError(f"{path}: not a readable Parquet file (truncated or corrupt?): {clip(str(exc))}") from None
 
 
-def open_shard(path: str | Path, schema: EventSchema) -> pq.ParquetFile:
+def open_shard(path: str | Path, schema: EventSchema, *, verify_sha256: bool = True) -> pq.ParquetFile:
     """Open a shard after checking its sha256, and check its columns and types against ``schema``.
 
-    Raises :class:`CorruptFileError` or :class:`DataValidationError` naming the file and what is wrong.
+    ``verify_sha256=False`` skips the sidecar (page CRCs are still checked at every read), for datasets too
+    large to hash at every start. Raises :class:`CorruptFileError` or :class:`DataValidationError` naming the
+    file and what is wrong.
     """
     path = Path(path)
-    verify_checksum(path)
+    if verify_sha256:
+        verify_checksum(path)
     pf = open_parquet(path)
     check_columns(pf.schema_arrow, schema, where=str(path))
     return pf
@@ -245,6 +249,7 @@ def iter_valid_row_groups(
     policy: str = "error",
     quarantine: QuarantineLog | None = None,
     row_groups: list[int] | None = None,
+    verify_sha256: bool = True,
 ) -> Iterator[tuple[int, pa.Table]]:
     """Yield ``(row_group_index, table)`` for the shard's row groups with bad rows handled by ``policy``.
 
@@ -253,7 +258,7 @@ def iter_valid_row_groups(
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown bad-record policy {policy!r}; choose one of {POLICIES}")
-    pf = open_shard(shard, schema)
+    pf = open_shard(shard, schema, verify_sha256=verify_sha256)
     first_row = [0]
     for i in range(pf.num_row_groups):
         first_row.append(first_row[-1] + pf.metadata.row_group(i).num_rows)

@@ -924,8 +924,9 @@ def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = Tr
     # shards so that none from a larger earlier run survives among the new ones.
     (out_dir / SCHEMA_FILE).unlink(missing_ok=True)
     for split in SPLITS:
-        for stale in (out_dir / split).glob("part-*.parquet*"):
-            stale.unlink()
+        for pattern in ("part-*.parquet", ".part-*.parquet.sha256"):
+            for stale in (out_dir / split).glob(pattern):
+                stale.unlink()
     start_time = time.perf_counter()
     schema = build_schema(cfg)
     arrow_schema = schema.arrow_schema()
