@@ -186,6 +186,7 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
     """
     L.seed_everything(cfg.train.seed, workers=True)
     datamodule = EventDataModule(cfg.data)
+    datamodule.verify_shards()
     module = RecModule(cfg.to_dict(), json.loads(datamodule.schema.to_json()))
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
