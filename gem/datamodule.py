@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 
 from foundation.data.batch import BatchPosition
+from foundation.data.io import list_shards, open_shard
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import EventSchema
 
@@ -26,6 +27,13 @@ class EventDataModule(L.LightningDataModule):
         self.consumed: dict[int, int] = {}
         self.next_worker_stream = 0
         self.train_stream: EventStream | None = None
+
+    def verify_shards(self) -> None:
+        """Open every shard of the train and eval splits (checksum, columns), so that a corrupt or foreign
+        file is refused before a run starts rather than at its first batch."""
+        for split in dict.fromkeys((self.cfg.train_split, self.cfg.eval_split)):
+            for shard in list_shards(self.cfg.path, split):
+                open_shard(shard, self.schema, verify_sha256=self.cfg.verify_sha256)
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer

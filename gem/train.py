@@ -27,8 +27,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from foundation.checkpoint import RUN_ID_FILE, load_checkpoint_file
 from foundation.config import ConfigError
 from foundation.data.io import atomic_path, sha256_file
+from foundation.data.pipeline import count_rows
 from gem.config import ExperimentConfig
 from gem.datamodule import EventDataModule
+from gem.errors import ResumeError, TrainingError
 from gem.module import RecModule
 from kernels.settings import effective_kernel_settings, kernel_environment
 from transfer.teacher_outputs import MANIFEST_FILE
@@ -65,8 +67,17 @@ def run_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.train.out_dir) / cfg.name
 
 
+class TrainedCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that writes no ``last.ckpt`` at the end of a fit that took no step: that file
+    would hold an untrained model that a later run resumes from or a later stage reads as trained."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step > 0:
+            super().on_train_end(trainer, pl_module)
+
+
 def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Trainer:
-    checkpoint = ModelCheckpoint(
+    checkpoint = TrainedCheckpoint(
         dirpath=run_dir(cfg) / "checkpoints",
         save_last=True,
         save_top_k=0,
@@ -95,6 +106,18 @@ def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Train
         enable_progress_bar=cfg.train.progress_bar,
         enable_model_summary=False,
         deterministic=True,
+    )
+
+
+def check_trained(trainer: L.Trainer, cfg: ExperimentConfig) -> None:
+    """Refuse a fit that took no optimiser step: its checkpoint would be an untrained model."""
+    if trainer.global_step > 0:
+        return
+    rows = count_rows(cfg.data.path, cfg.data.train_split)
+    raise TrainingError(
+        f"{Path(cfg.data.path) / cfg.data.train_split}: training ran 0 steps: the split has {rows} rows, "
+        f"{quarantine_count(cfg.data.path)} quarantined in total (data.policy={cfg.data.policy}, see "
+        f"{Path(cfg.data.path) / 'quarantine'}); no checkpoint was written"
     )
 
 
@@ -163,6 +186,7 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
     """
     L.seed_everything(cfg.train.seed, workers=True)
     datamodule = EventDataModule(cfg.data)
+    datamodule.verify_shards()
     module = RecModule(cfg.to_dict(), json.loads(datamodule.schema.to_json()))
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,7 +232,14 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
             else None
         )
         trainer = build_trainer(cfg, logger)
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
+        except ResumeError as exc:
+            raise ResumeError(
+                f"{last}: cannot resume this run: {exc}; train under another train.out_dir or name, or pass "
+                "--no-resume to start over (it replaces that checkpoint)"
+            ) from None
+        check_trained(trainer, cfg)
         trainer.save_checkpoint(last)
         if cfg.parallel.enabled:
             trainer.strategy.export_single_file_checkpoint(last)
