@@ -4,8 +4,10 @@ few seeds each, test click NE against the training FLOPs each run spent (issue 1
 Usage (GPU machine, two calls of one plan, each a shard of its runs; the world is regenerated in each call
 unless ``--world`` already holds it)::
 
-    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 0/2 --bundle $OUT
-    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 1/2 --bundle $OUT
+    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 0/2 \\
+        --call-budget 550 --grace 120 --bundle $OUT
+    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 1/2 \\
+        --call-budget 550 --grace 120 --bundle $OUT
 
 then, on a machine with matplotlib, from the two bundles::
 
@@ -27,11 +29,14 @@ split once. ``--epochs`` > 1 repeats that on fresh rows and reports the test met
 
 **Runs.** Each is a :mod:`experiments.teacher_vs_baseline` process (``OMP_NUM_THREADS=1``,
 ``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not autotune against each other's load), all of a shard
-at once up to ``--parallel``. A run stops training after ``--time-budget`` seconds (then scores and
-writes its result) and is killed ``--grace`` seconds later. Each records the model FLOPs it trained (the
+at once up to ``--parallel``. A run stops training after its budget (then scores and writes its result)
+and is killed ``--grace`` seconds later. The budget is ``--time-budget``, cut so that the run ends by
+``--call-budget`` seconds after the command began: on a machine lent for 10 minutes a slow world
+generation shortens the training, not the results. Each records the model FLOPs it trained (the
 sum of ``model.flops(batch)`` over its steps), so a run cut by its budget still lands at its true place
 on the x-axis. Output: ``<out>/runs/<name>/{log.txt,result.json}`` and ``<out>/summary.json``; with
-``--bundle DIR`` also ``DIR/summary-IofN.json`` and ``DIR/runs-IofN.tar.gz`` (logs and results).
+``--bundle DIR`` also ``DIR/summary-IofN.json`` (rewritten as each run ends) and, at the end,
+``DIR/runs-IofN.tar.gz`` (logs and results).
 
 **Shards.** ``--shard I/N`` takes the I-th of N groups of runs balanced by estimated GPU time (longest
 first, each to the least loaded group), a deterministic split of the same plan. The estimate
@@ -167,7 +172,8 @@ def scaling_plan() -> Plan:
     history, rows = 1024, 256
     return Plan(
         name="scaling",
-        world=synth_preset("default", num_examples=2_000_000, max_history=history),
+        # Blocks of 1,024 users: 25 blocks keep 16 generating processes busy with ~1 GB each.
+        world=synth_preset("default", num_examples=2_000_000, max_history=history, users_per_block=1024),
         sizes=(
             teacher_size(32, 2, 2, history, rows),
             teacher_size(64, 2, 2, history, rows),
@@ -178,7 +184,7 @@ def scaling_plan() -> Plan:
             dlrm_size(512, history, rows),
         ),
         seeds=(0, 1, 2),
-        steps=1500,
+        steps=1200,
         batch_rows=rows,
         history=history,
         label="synthetic default, 2M impressions, 1,024-event histories",
@@ -303,11 +309,12 @@ def shard_seconds(runs: list[Run], costs: dict[str, dict]) -> float:
 # -- running ----------------------------------------------------------------------------------------
 
 
-def run_command(run: Run, world_dir: Path, result: Path, plan: Plan, args: argparse.Namespace) -> list[str]:
+def run_command(run: Run, world_dir: Path, result: Path, plan: Plan, budget: float,
+                args: argparse.Namespace) -> list[str]:
     command = [
         sys.executable, "-m", "experiments.teacher_vs_baseline", "--data", str(world_dir),
         "--flavor", run.size.flavor, "--seed", str(run.seed), "--epochs", str(args.epochs),
-        "--max-steps", str(plan.steps), "--time-budget", str(args.time_budget), "--json", str(result),
+        "--max-steps", str(plan.steps), "--time-budget", f"{budget:.0f}", "--json", str(result),
     ]
     if args.device:
         command += ["--device", args.device]
@@ -321,30 +328,44 @@ class Process:
     command: list[str]
     popen: subprocess.Popen
     started: float
+    budget: float
+    kill_at: float | None
 
 
-def start(run: Run, world_dir: Path, plan: Plan, args: argparse.Namespace) -> Process:
+def run_budget(args: argparse.Namespace, call_started: float) -> float:
+    """Training seconds of a run starting now (0: none): ``--time-budget``, cut so that with ``--grace`` for
+    its start and evaluation it ends ``--call-budget`` seconds after the call began (at least one second)."""
+    budget = args.time_budget
+    if args.call_budget > 0:
+        left = max(call_started + args.call_budget - time.monotonic() - args.grace, 1.0)
+        budget = min(budget, left) if budget > 0 else left
+    return budget
+
+
+def start(run: Run, world_dir: Path, plan: Plan, args: argparse.Namespace, call_started: float) -> Process:
     out = Path(args.out) / "runs" / run.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").unlink(missing_ok=True)  # a stale result must not pass for this run's
-    command = run_command(run, world_dir, out / "result.json", plan, args)
+    budget = run_budget(args, call_started)
+    command = run_command(run, world_dir, out / "result.json", plan, budget, args)
     with open(out / "log.txt", "w") as log:
         log.write(f"$ {shlex.join(command)}\n")
         log.flush()
         popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RUN_ENV})
-    return Process(run, out, command, popen, time.monotonic())
+    now = time.monotonic()
+    return Process(run, out, command, popen, now, budget, now + budget + args.grace if budget > 0 else None)
 
 
-def run_processes(runs: list[Run], launch: Callable[[Run], Process], parallel: int, kill_after: float | None,
-                  poll: float, on_finish: Callable[[Process, bool], None]) -> None:
-    """Start ``runs`` in order, ``parallel`` at a time; a process alive ``kill_after`` seconds is killed."""
+def run_processes(runs: list[Run], launch: Callable[[Run], Process], parallel: int, poll: float,
+                  on_finish: Callable[[Process, bool], None]) -> None:
+    """Start ``runs`` in order, ``parallel`` at a time; a process still alive at its ``kill_at`` is killed."""
     waiting, alive = list(runs), []
     while waiting or alive:
         while waiting and len(alive) < parallel:
             alive.append(launch(waiting.pop(0)))
         time.sleep(poll)
         for proc in list(alive):
-            overdue = kill_after is not None and time.monotonic() - proc.started > kill_after
+            overdue = proc.kill_at is not None and time.monotonic() > proc.kill_at
             if proc.popen.poll() is None and overdue:
                 proc.popen.kill()
             if proc.popen.poll() is None and not overdue:
@@ -369,6 +390,7 @@ def run_row(proc: Process, killed: bool, domains: list[str]) -> dict:
         "rc": proc.popen.returncode,
         "status": "killed" if killed else ("ok" if proc.popen.returncode == 0 else "failed"),
         "seconds": round(time.monotonic() - proc.started, 1),
+        "time_budget": round(proc.budget, 1),
         "log": str(proc.out / "log.txt"),
     }
     path = proc.out / "result.json"
@@ -461,6 +483,7 @@ def bundle(summary_path: Path, out: Path, target: Path, tag: str) -> None:
 
 
 def sweep(args: argparse.Namespace) -> dict:
+    call_started = time.monotonic()
     plan = PLANS[args.plan]()
     index, count = parse_shard(args.shard)
     out, world_dir = Path(args.out), Path(args.world)
@@ -480,24 +503,27 @@ def sweep(args: argparse.Namespace) -> dict:
         "rows": [],
         "runs": [],
     }
-    summary_path = out / "summary.json"
+    summary_path, tag = out / "summary.json", f"{index}of{count}"
     out.mkdir(parents=True, exist_ok=True)
+    if args.bundle:
+        Path(args.bundle).mkdir(parents=True, exist_ok=True)
     print(f"shard {args.shard}: {len(runs)} runs, ~{shard_seconds(runs, costs):.0f} s of GPU (estimate)", flush=True)
 
     def on_finish(proc: Process, killed: bool) -> None:
         row = run_row(proc, killed, schema.domain_names)
         summary["runs"].append(row)
         write_summary(summary, summary_path)
+        if args.bundle:  # the headline figures leave the machine even if the call is cut short
+            atomic_write_text(Path(args.bundle) / f"summary-{tag}.json", summary_path.read_text())
         ne = row.get("test", {}).get("click/ne", float("nan"))
         print(f"[{len(summary['runs'])}/{len(runs)}] {row['name']}: {row['status']} in {row['seconds']} s, "
               f"{row.get('train_rows', 0)} rows, {row.get('train_flops', 0):.3e} FLOPs, click NE {ne:.4f}", flush=True)
 
-    kill_after = args.time_budget + args.grace if args.time_budget > 0 else None
-    launch = functools.partial(start, world_dir=world_dir, plan=plan, args=args)
-    run_processes(runs, launch, args.parallel or len(runs), kill_after, args.poll, on_finish)
+    launch = functools.partial(start, world_dir=world_dir, plan=plan, args=args, call_started=call_started)
+    run_processes(runs, launch, args.parallel or len(runs), args.poll, on_finish)
     write_summary(summary, summary_path)
     if args.bundle:
-        bundle(summary_path, out, Path(args.bundle), f"{index}of{count}")
+        bundle(summary_path, out, Path(args.bundle), tag)
     print(format_table(summary), flush=True)
     return summary
 
@@ -594,7 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shard", default="0/1", help="I/N: the I-th of N balanced groups of the plan's runs")
     run.add_argument("--epochs", type=int, default=1)
     run.add_argument("--time-budget", type=float, default=0.0, help="seconds of training per run (0: none)")
-    run.add_argument("--grace", type=float, default=120.0, help="seconds past the budget before a run is killed")
+    run.add_argument("--call-budget", type=float, default=0.0,
+                     help="seconds from this command's start by which every run must end (0: none)")
+    run.add_argument("--grace", type=float, default=120.0,
+                     help="seconds past a run's training budget (for its start and evaluation) before it is killed")
     run.add_argument("--parallel", type=int, default=0, help="runs at once (0: all of the shard)")
     run.add_argument("--device", default=None)
     run.add_argument("--bundle", help="also copy the summary and a tarball of the runs here")

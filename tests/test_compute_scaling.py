@@ -6,17 +6,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import tarfile
+import time
 
 import pytest
 import torch
 
 from experiments.compute_scaling import (
     PLANS,
+    build_parser,
     flops_per_example,
     main,
     parse_shard,
     plan_runs,
     prepare,
+    run_budget,
     shard_runs,
 )
 from foundation.data.synthetic import build_schema
@@ -27,7 +30,7 @@ def dry(tmp_path_factory):
     """The dry plan run as one shard: ``(tmp dir, its summary)``."""
     tmp = tmp_path_factory.mktemp("scaling")
     argv = ["run", "--plan", "dry", "--world", str(tmp / "world"), "--out", str(tmp / "out"), "--device", "cpu",
-            "--workers", "1", "--bundle", str(tmp / "bundle"), "--time-budget", "120", "--poll", "0.2"]
+            "--workers", "1", "--bundle", str(tmp / "bundle"), "--call-budget", "400", "--poll", "0.2"]
     assert main(argv) == 0
     return tmp, json.loads((tmp / "out" / "summary.json").read_text())
 
@@ -117,6 +120,18 @@ def test_scaling_plan_spans_ten_times_the_teacher_flops():
     dlrm = [flops_per_example(s, schema, offsets) for s in plan.sizes if s.family == "dlrm"]
     assert teacher == sorted(teacher) and dlrm == sorted(dlrm)
     assert teacher[-1] > 10 * teacher[0] and dlrm[-1] > 10 * dlrm[0]
+
+
+def test_run_budget_leaves_grace_before_the_call_ends():
+    def args(*extra):
+        return build_parser().parse_args(["run", "--world", "w", "--out", "o", "--grace", "100", *extra])
+
+    now = time.monotonic()
+    assert run_budget(args(), now) == 0  # no limit at all
+    assert run_budget(args("--time-budget", "300"), now) == 300
+    assert 339 < run_budget(args("--call-budget", "560"), now - 120) <= 340  # 120 s spent generating the world
+    assert run_budget(args("--call-budget", "560", "--time-budget", "200"), now) == 200
+    assert run_budget(args("--call-budget", "560"), now - 600) == 1.0  # too late: one second, then score
 
 
 @pytest.mark.parametrize("text", ["2/2", "1", "a/2", "3/x"])

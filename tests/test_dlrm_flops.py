@@ -20,14 +20,6 @@ CASES = {
 SCHEMAS = {"dense": CTR_SCHEMA, "no_dense": dataclasses.replace(CTR_SCHEMA, dense_dim=0)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _counted(cfg: DLRMConfig, schema, *, backward: bool) -> tuple[float, DLRMBaseline, object]:
     torch.manual_seed(0)
     model = DLRMBaseline(cfg, schema, {"click": 1.0, "conversion": 1.0})

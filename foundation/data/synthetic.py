@@ -935,6 +935,19 @@ def _draw_block(
     return arrays, table, np.searchsorted(split_at, arrays["seconds"], side="right")
 
 
+_worker_draw: Callable[[int], object] | None = None
+
+
+def _set_worker_draw(draw: Callable[[int], object]) -> None:
+    """Pool initializer: the world and per-user arrays reach each worker once, not with every block."""
+    global _worker_draw
+    _worker_draw = draw
+
+
+def _draw_in_worker(block: int) -> object:
+    return _worker_draw(block)
+
+
 def _in_order(draw: Callable[[int], T], count: int, workers: int) -> Iterator[T]:
     """``draw(0), ..., draw(count - 1)`` in order, computed by ``workers`` processes when it is above 1.
 
@@ -943,10 +956,11 @@ def _in_order(draw: Callable[[int], T], count: int, workers: int) -> Iterator[T]
     if workers <= 1:
         yield from map(draw, range(count))
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_set_worker_draw, initargs=(draw,)) as pool:
         ahead: deque[Future] = deque()
         for block in range(count):
-            ahead.append(pool.submit(draw, block))
+            ahead.append(pool.submit(_draw_in_worker, block))
             if len(ahead) >= 2 * workers:
                 yield ahead.popleft().result()
         while ahead:
