@@ -471,6 +471,8 @@ def format_table(summary: dict) -> str:
             f"{g['train_flops']:>11.3e} {g['click_ne_mean']:>9.4f}±{g['click_ne_std']:.4f}"
         )
     lines += [f"run {r['name']}: {r['status']} (rc {r['rc']}), log {r['log']}" for r in summary["runs"] if r["status"] != "ok"]
+    if summary.get("missing"):
+        lines.append(f"runs of the plan in no summary: {' '.join(summary['missing'])}")
     return "\n".join(lines)
 
 
@@ -539,6 +541,7 @@ def combine(paths: list[Path], target: Path) -> dict:
         raise ValueError(f"runs in more than one summary: {twice}")
     summary = {**parts[0], "shard": [p["shard"] for p in parts], "runs": [r for p in parts for r in p["runs"]]}
     summary["command"] = " && ".join(dict.fromkeys(p["command"] for p in parts))
+    summary["missing"] = sorted({r.name for r in plan_runs(PLANS[summary["plan"]]())} - set(names))
     write_summary(summary, target)
     return summary
 

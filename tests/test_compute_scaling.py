@@ -69,7 +69,9 @@ def test_combine_merge_and_plot_from_the_bundle(dry, tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(other))
     assert main(["combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "s.json")]) == 0
     combined = json.loads((tmp_path / "s.json").read_text())
-    assert combined["rows"] == summary["rows"]
+    assert combined["rows"] == summary["rows"] and combined["missing"] == []
+    assert main(["combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "half.json")]) == 0
+    assert json.loads((tmp_path / "half.json").read_text())["missing"] == sorted(r["name"] for r in other["runs"])
     # The same run in two shards is refused.
     assert main(["combine", str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json")]) == 2
 
