@@ -12,16 +12,17 @@ Usage::
 Any flavor of :mod:`experiments.flavors` (dotted overrides after the options) is trained for
 ``--epochs`` passes over the train split (cut short after ``--time-budget`` seconds of training)
 with the harness's optimiser (AdamW, ``train.lr``, ``train.weight_decay``, gradient clipping at
-``train.grad_clip``), under bf16 autocast when
-``train.precision`` is ``bf16-mixed``; ``--max-steps`` caps the steps of an epoch (dry runs, fixed data budgets). After every epoch the valid and test splits are scored;
-the reported figures are the test metrics of the epoch with the best valid click NE (early
+``train.grad_clip``), under bf16 autocast when ``train.precision`` is ``bf16-mixed``;
+``--max-steps`` caps the steps of an epoch (dry runs, fixed data budgets). After every epoch the
+valid and test splits are scored; the reported figures are the test metrics of the epoch with the best valid click NE (early
 stopping on the earlier time window, never on test). ``test_recalibrated`` repeats them after a
 per-task, per-domain Platt scaling fitted on valid: it separates ranking quality from calibration
 under the world's drift. Metrics are the harness's
 (:class:`foundation.metrics.PredictionLog`): NE, AUC and calibration per task, overall and per
-domain, with the oracle's beside them. The JSON also records the model FLOPs trained (the sum of the model's
-``flops(batch)`` over its steps): ``train_flops`` in all, ``train_flops_at_best`` up to the end of the best
-valid epoch, and ``flops_per_example`` (training FLOPs per row, averaged over the rows trained).
+domain, with the oracle's beside them. The JSON also records the model FLOPs trained (the sum of
+the model's ``flops(batch)`` over its steps): ``train_flops`` in all, ``train_flops_at_best`` up to
+the end of the best valid epoch, and ``flops_per_example`` (training FLOPs per row, averaged over
+the rows trained), with ``train_rows``.
 
 The loop is plain PyTorch, not the Lightning harness, so that it runs on a GPU machine that has
 no MLflow; ``gem train`` + ``gem eval`` give the same metrics through the harness. Many runs
