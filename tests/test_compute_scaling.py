@@ -22,6 +22,7 @@ from experiments.compute_scaling import (
     run_budget,
     shard_runs,
 )
+from foundation.data.schema import EventSchema
 from foundation.data.synthetic import build_schema
 
 
@@ -45,6 +46,11 @@ def test_dry_run_trains_every_size_and_counts_its_flops(dry):
         assert run["train_flops"] == pytest.approx(run["flops_per_example"] * run["train_rows"])
         assert run["train_flops_at_best"] == run["train_flops"]  # one epoch
         assert run["test"]["click/ne"] > 0 and set(run["per_domain"]) == {"feed", "reels", "marketplace"}
+    # The DLRM's FLOPs per row do not depend on the batch: what its runs counted step by step is the config's.
+    schema = EventSchema.load(tmp / "world")
+    for size in (s for s in plan.sizes if s.family == "dlrm"):
+        (row,) = [r for r in summary["runs"] if r["size"] == size.name]
+        assert row["flops_per_example"] == pytest.approx(flops_per_example(size, schema, torch.tensor([0, 5])))
     for family in ("teacher", "dlrm"):
         rows = [g for g in summary["rows"] if g["model"] == family]
         assert len(rows) == 2
