@@ -12,14 +12,17 @@ Usage::
 Any flavor of :mod:`experiments.flavors` (dotted overrides after the options) is trained for
 ``--epochs`` passes over the train split (cut short after ``--time-budget`` seconds of training)
 with the harness's optimiser (AdamW, ``train.lr``, ``train.weight_decay``, gradient clipping at
-``train.grad_clip``), under bf16 autocast when
-``train.precision`` is ``bf16-mixed``. After every epoch the valid and test splits are scored;
-the reported figures are the test metrics of the epoch with the best valid click NE (early
+``train.grad_clip``), under bf16 autocast when ``train.precision`` is ``bf16-mixed``;
+``--max-steps`` caps the steps of an epoch (dry runs, fixed data budgets). After every epoch the
+valid and test splits are scored; the reported figures are the test metrics of the epoch with the best valid click NE (early
 stopping on the earlier time window, never on test). ``test_recalibrated`` repeats them after a
 per-task, per-domain Platt scaling fitted on valid: it separates ranking quality from calibration
 under the world's drift. Metrics are the harness's
 (:class:`foundation.metrics.PredictionLog`): NE, AUC and calibration per task, overall and per
-domain, with the oracle's beside them.
+domain, with the oracle's beside them. The JSON also records the model FLOPs trained (the sum of
+the model's ``flops(batch)`` over its steps): ``train_flops`` in all, ``train_flops_at_best`` up to
+the end of the best valid epoch, and ``flops_per_example`` (training FLOPs per row, averaged over
+the rows trained), with ``train_rows``.
 
 The loop is plain PyTorch, not the Lightning harness, so that it runs on a GPU machine that has
 no MLflow; ``gem train`` + ``gem eval`` give the same metrics through the harness. Many runs
@@ -130,6 +133,7 @@ def run(args: argparse.Namespace) -> dict:
                 build_dataloader(stream, cfg.data),
                 grad_clip=cfg.train.grad_clip,
                 autocast_dtype=autocast,
+                max_steps=args.max_steps,
                 deadline=deadline,
             ),
             "elapsed_s": time.perf_counter() - start,
@@ -152,6 +156,7 @@ def run(args: argparse.Namespace) -> dict:
             flush=True,
         )
     best = min(history, key=lambda r: r["valid"].get("click/ne", float("inf")))
+    train_flops, train_rows = sum(r["flops"] for r in history), sum(r["rows"] for r in history)
     result = {
         "flavor": args.flavor,
         "overrides": args.overrides,
@@ -159,6 +164,10 @@ def run(args: argparse.Namespace) -> dict:
         "data": cfg.data.path,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "parameters": sum(p.numel() for p in model.parameters()),
+        "train_rows": train_rows,
+        "train_flops": train_flops,
+        "train_flops_at_best": sum(r["flops"] for r in history[: best["epoch"] + 1]),
+        "flops_per_example": train_flops / max(train_rows, 1),
         "config": cfg.to_dict(),
         "best_epoch": best["epoch"],
         "test": best["test"],
@@ -179,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--time-budget", type=float, default=0.0, help="seconds of training, then stop (0: none)"
     )
+    parser.add_argument("--max-steps", type=int, default=-1, help="steps per epoch at most (-1: the whole split)")
     parser.add_argument("--eval-batch-size", type=int, default=1024)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--json", type=Path)

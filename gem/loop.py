@@ -106,12 +106,13 @@ def train_epoch(
     """One pass of :func:`train_step` over ``batches`` (at most ``max_steps`` when >= 0, and none begun after
     the ``time.perf_counter()`` value ``deadline``).
 
-    Returns the mean loss, the step count, and :class:`Throughput`'s figures over the pass (MFU at bf16 peak
-    with ``autocast_dtype=torch.bfloat16``, else fp32).
+    Returns the mean loss, the step and row counts, the model FLOPs trained (``flops``, the sum of
+    ``model.flops(batch)`` over the steps; 0 for a model without a counter) and :class:`Throughput`'s figures
+    over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32).
     """
     device = next(model.parameters()).device
     meter = Throughput(model, device, "bf16-mixed" if autocast_dtype == torch.bfloat16 else "32-true")
-    total_loss, steps = torch.zeros((), device=device), 0
+    total_loss, steps, rows = torch.zeros((), device=device), 0, 0
     for batch in batches:
         if steps == max_steps or (deadline is not None and time.perf_counter() > deadline):
             break
@@ -121,4 +122,7 @@ def train_epoch(
         )
         total_loss += losses["loss"].detach()  # summed on the device: no per-step sync
         steps += 1
-    return {"loss": float(total_loss) / max(steps, 1), "steps": steps, **meter.metrics()}
+        rows += batch.batch_size
+    return {
+        "loss": float(total_loss) / max(steps, 1), "steps": steps, "rows": rows, "flops": meter.flops, **meter.metrics()
+    }

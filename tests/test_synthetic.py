@@ -42,9 +42,13 @@ def _flat(table: pa.Table, column: str) -> np.ndarray:
 
 
 def test_same_seed_same_rows_and_other_seed_differs(tmp_path):
+    """Also with the user blocks drawn by two worker processes: the same rows, shards and statistics."""
     cfg = synth_preset("debug", **SMALL)
-    generate_world(cfg, tmp_path / "a", progress=False)
-    generate_world(cfg, tmp_path / "b", progress=False)
+    stats_a = generate_world(cfg, tmp_path / "a", progress=False)
+    stats_b = generate_world(cfg, tmp_path / "b", progress=False, workers=2)
+    assert {k: v for k, v in stats_a.items() if "per_s" not in k and k != "seconds"} == {
+        k: v for k, v in stats_b.items() if "per_s" not in k and k != "seconds"
+    }
     generate_world(synth_preset("debug", **SMALL, seed=1), tmp_path / "c", progress=False)
     for split in SPLITS:
         a, b = list_shards(tmp_path / "a", split), list_shards(tmp_path / "b", split)

@@ -96,11 +96,17 @@ gives the same rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import multiprocessing
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -110,6 +116,8 @@ from tqdm.auto import tqdm
 from foundation.data.io import atomic_write_text, shard_path, write_table
 from foundation.data.schema import SCHEMA_FILE, EventSchema, SparseFeature
 from foundation.metrics import binary_metrics
+
+T = TypeVar("T")
 
 SPLITS = ("train", "valid", "test")
 STATS_FILE = "synth.json"
@@ -907,8 +915,63 @@ class _Stats:
         }
 
 
-def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = True) -> dict:
+def _draw_block(
+    cfg: SynthConfig,
+    world: World,
+    n_pre: np.ndarray,
+    rate: np.ndarray,
+    rows: np.ndarray,
+    first_ids: np.ndarray,
+    split_at: np.ndarray,
+    block: int,
+) -> tuple[dict[str, np.ndarray], pa.Table, np.ndarray]:
+    """The impressions of users block ``block``: their arrays, their table and each row's split (0/1/2)."""
+    lo = block * cfg.users_per_block
+    ids = np.arange(lo, min(lo + cfg.users_per_block, cfg.num_users))
+    rng = np.random.default_rng([cfg.seed, 2, block])
+    users = _draw_users(rng, world, ids)
+    events = _draw_events(rng, world, users, n_pre[ids], rate[ids])
+    arrays, table = _draw_impressions(rng, world, users, events, rows[ids], int(first_ids[lo]))
+    return arrays, table, np.searchsorted(split_at, arrays["seconds"], side="right")
+
+
+_worker_draw: Callable[[int], object] | None = None
+
+
+def _set_worker_draw(draw: Callable[[int], object]) -> None:
+    """Pool initializer: the world and per-user arrays reach each worker once, not with every block."""
+    global _worker_draw
+    _worker_draw = draw
+
+
+def _draw_in_worker(block: int) -> object:
+    return _worker_draw(block)
+
+
+def _in_order(draw: Callable[[int], T], count: int, workers: int) -> Iterator[T]:
+    """``draw(0), ..., draw(count - 1)`` in order, computed by ``workers`` processes when it is above 1.
+
+    At most ``2 * workers`` blocks are drawn ahead of the one being consumed, which bounds memory.
+    """
+    if workers <= 1:
+        yield from map(draw, range(count))
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_set_worker_draw, initargs=(draw,)) as pool:
+        ahead: deque[Future] = deque()
+        for block in range(count):
+            ahead.append(pool.submit(_draw_in_worker, block))
+            if len(ahead) >= 2 * workers:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
+def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = True, workers: int = 1) -> dict:
     """Write the world ``cfg`` describes as a dataset under ``out_dir`` and return its statistics.
+
+    ``workers`` processes draw user blocks in parallel (each block has its own random stream, so the
+    dataset is the same for any number of workers); one process writes them in order.
 
     Layout: ``{train,valid,test}/part-NNNNN.parquet`` (rows ordered by user, then time), then
     ``synth.json`` (config and stats) and, last, ``schema.json``: a dataset without ``schema.json``
@@ -938,14 +1001,10 @@ def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = Tr
     writers = [_ShardWriter(out_dir, s, cfg.rows_per_shard, arrow_schema) for s in SPLITS]
     stats = _Stats(cfg)
 
+    draw = functools.partial(_draw_block, cfg, world, n_pre, rate, rows, first_ids, split_at)
+    num_blocks = -(-cfg.num_users // cfg.users_per_block)
     with tqdm(total=cfg.num_examples, unit="row", desc="synthetic world", disable=not progress) as bar:
-        for block, lo in enumerate(range(0, cfg.num_users, cfg.users_per_block)):
-            ids = np.arange(lo, min(lo + cfg.users_per_block, cfg.num_users))
-            rng = np.random.default_rng([cfg.seed, 2, block])
-            users = _draw_users(rng, world, ids)
-            events = _draw_events(rng, world, users, n_pre[ids], rate[ids])
-            arrays, table = _draw_impressions(rng, world, users, events, rows[ids], int(first_ids[lo]))
-            split = np.searchsorted(split_at, arrays["seconds"], side="right")
+        for arrays, table, split in _in_order(draw, num_blocks, workers):
             stats.add(arrays, split)
             for s, writer in enumerate(writers):
                 idx = np.flatnonzero(split == s)

@@ -6,6 +6,10 @@ history is mean-pooled in the same collection: ``history_items`` (every past eve
 pooled history lives in the candidate's space. Dense features go through a bottom MLP. All
 vectors meet in a pairwise dot-product interaction, then a top MLP feeds one logit per
 ``(domain, task)``; each row reads the head of its own domain.
+
+:func:`dlrm_flops` counts its model FLOPs with the teacher's conventions (:mod:`foundation.model.flops`):
+matrix products only (``2·m·k·n``), so the pooling of the history bags, which is additions, costs nothing
+and a DLRM's FLOPs per example do not grow with the history's length.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 from foundation.data.batch import JaggedBatch
 from foundation.data.schema import TASKS, EventSchema
+from foundation.model.flops import MODEL_BACKWARD_FACTOR, mm
 from foundation.model.outputs import ModelOutput, multitask_bce
 
 HISTORY_KEYS = ("history_items", "history_clicks")
@@ -34,6 +39,36 @@ class DLRMConfig:
     top_mlp: tuple[int, ...] = (256, 128)
     use_history: bool = True
     repr_dim: int = 64
+
+
+def mlp_flops(sizes: list[int], rows: int) -> float:
+    """Forward FLOPs of :func:`build_mlp` ``(sizes)`` on ``rows`` inputs."""
+    return sum(mm(rows, a, b) for a, b in itertools.pairwise(sizes))
+
+
+def dlrm_flops(cfg: DLRMConfig, schema: EventSchema, batch: int, *, training: bool = True) -> float:
+    """Model FLOPs of :class:`DLRMBaseline` on ``batch`` rows: one forward, or a training step's forward+backward.
+
+    The backward is 2x the forward for what the loss reaches, except the bottom MLP's first layer, which
+    reads data and needs no input gradient (1x), and the user/item towers, which the loss does not read (0x).
+    """
+    d = cfg.embedding_dim
+    bottom_sizes = [max(schema.dense_dim, 1), *cfg.bottom_mlp, d]
+    num_vectors = len(schema.sparse) + 1 + (len(HISTORY_KEYS) if cfg.use_history else 0) + 2
+    num_pairs = num_vectors * (num_vectors - 1) // 2
+    num_user = len(schema.user_features) + (len(HISTORY_KEYS) if cfg.use_history else 0)
+    num_item = len(schema.item_features) + 1
+    in_loss = (
+        mlp_flops(bottom_sizes, batch)
+        + batch * mm(num_vectors, d, num_vectors)
+        + mlp_flops([d + num_pairs, *cfg.top_mlp], batch)
+        + mm(batch, cfg.top_mlp[-1], schema.num_domains * len(TASKS))
+    )
+    towers = (mm(batch, d * num_user, cfg.repr_dim) if num_user else 0.0) + mm(batch, d * num_item, cfg.repr_dim)
+    if not training:
+        return in_loss + towers
+    data_fed = mm(batch, bottom_sizes[0], bottom_sizes[1])
+    return (1.0 + MODEL_BACKWARD_FACTOR) * in_loss - data_fed + towers
 
 
 def build_mlp(sizes: list[int], *, last_activation: bool = True) -> nn.Sequential:
@@ -130,3 +165,7 @@ class DLRMBaseline(nn.Module):
 
     def loss(self, batch: JaggedBatch, out: ModelOutput) -> dict[str, torch.Tensor]:
         return multitask_bce(batch, out, self.loss_weights)
+
+    def flops(self, batch: JaggedBatch, *, training: bool = True) -> float:
+        """Matmul FLOPs of one step on this batch (:func:`dlrm_flops`)."""
+        return dlrm_flops(self.cfg, self.schema, batch.batch_size, training=training)

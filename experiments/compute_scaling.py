@@ -1,0 +1,671 @@
+"""Compute scaling of the GEM teacher against the DLRM on a large synthetic world: several sizes of each, a
+few seeds each, test click NE against the training FLOPs each run spent (issue 16, item 5).
+
+Usage (GPU machine, two calls of one plan, each a shard of its runs; the world is regenerated in each call
+unless ``--world`` already holds it)::
+
+    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 0/2 \\
+        --call-budget 550 --grace 120 --bundle $OUT
+    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 1/2 \\
+        --call-budget 550 --grace 120 --bundle $OUT
+
+then, on a machine with matplotlib, from the two bundles::
+
+    python -m experiments.compute_scaling combine summary-0of2.json summary-1of2.json --out summary.json
+    python -m experiments.compute_scaling merge summary.json docs/results/teacher_vs_dlrm.json
+    python -m experiments.compute_scaling plot summary.json docs/teacher_vs_dlrm_scaling.png
+    python -m experiments.compute_scaling plan --world /tmp/scale-world    # the runs, their FLOPs and time estimate
+
+The CPU dry run is the same commands with ``--plan dry --device cpu`` (a world of 3k rows, two sizes of
+each model, three steps per run).
+
+**Plans** (:data:`PLANS`). ``scaling``: the ``default`` world's ground truth with 2M impressions (80 per
+user) and stored histories of up to 1,024 events; teacher sizes of the ``small`` recipe (``w32`` is
+``teacher-small`` itself) widened and deepened to ~40x its FLOPs per example, and DLRM sizes of the
+``default`` flavor (``d32`` is it) widened to ~140x; seeds 0, 1, 2. Every run reads 1,024 history events,
+trains on batches of 256 rows for ``steps`` steps (one pass over that many distinct rows, a fraction of
+the train split: no row is seen twice, so neither family memorises), then scores the valid and the test
+split once. ``--epochs`` > 1 repeats that on fresh rows and reports the test metrics of the best valid epoch.
+
+**Runs.** Each is a :mod:`experiments.teacher_vs_baseline` process (``OMP_NUM_THREADS=1``,
+``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not autotune against each other's load), all of a shard
+at once up to ``--parallel``. A run stops training after its budget (then scores and writes its result)
+and is killed ``--grace`` seconds later. The budget is ``--time-budget``, cut so that the run ends by
+``--call-budget`` seconds after the command began: on a machine lent for 10 minutes a slow world
+generation shortens the training, not the results. Each records the model FLOPs it trained (the
+sum of ``model.flops(batch)`` over its steps), so a run cut by its budget still lands at its true place
+on the x-axis. Output: ``<out>/runs/<name>/{log.txt,result.json}`` and ``<out>/summary.json``; with
+``--bundle DIR`` also ``DIR/summary-IofN.json`` (rewritten as each run ends) and, at the end,
+``DIR/runs-IofN.tar.gz`` (logs and results).
+
+**Shards.** ``--shard I/N`` takes the I-th of N groups of runs balanced by estimated GPU time (longest
+first, each to the least loaded group), a deterministic split of the same plan. The estimate
+(:func:`estimated_seconds`) is ``steps x (per-step overhead + step FLOPs / effective rate)`` plus one
+evaluation pass of valid and test, with the constants of :data:`COST_MODEL`.
+
+**Summary rows** (one per model and size over its seeds, the format of ``docs/results/teacher_vs_dlrm.json``):
+``model``, ``size``, ``seeds``, ``parameters``, ``flops_per_example`` (training FLOPs per row),
+``train_flops`` (mean over seeds, up to the end of the best valid epoch), ``click_ne_mean`` / ``_std``,
+``click_auc_mean``, ``per_domain`` (click NE mean and std by domain name), ``train_rows``, ``data``,
+``command``, ``date``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from foundation.config import apply_overrides
+from foundation.data.io import atomic_path, atomic_write_text, list_shards
+from foundation.data.schema import SCHEMA_FILE, EventSchema
+from foundation.data.synthetic import STATS_FILE, SynthConfig, generate_world
+from foundation.model.baseline import dlrm_flops
+from foundation.model.flops import teacher_flops
+from gem.flavors import get_flavor, synth_preset
+
+RUN_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GEM_KERNELS_AUTOTUNE": "0"}
+FAMILIES = ("teacher", "dlrm")
+# GPU time model of a run, from docs/benchmarks.md: the `small` teacher's 1,024-event step alone on an H200
+# took 28.2 ms for 82k tokens (~27 GFLOP: launch-bound, ~1 TFLOP/s); the `large` teacher reached 4.7-5.9%
+# MFU of the bf16 peak (~50 TFLOP/s), so float32/TF32 matmuls of these narrower models are taken at 30
+# TFLOP/s. The DLRM's step is a few dozen small kernels (taken at 10 ms). Processes sharing the GPU
+# time-slice it: five runs at once gave 1.25x the throughput of one (session 4), the `overlap` credit.
+COST_MODEL = {
+    "overhead_s": {"teacher": 0.028, "dlrm": 0.010},
+    "effective_flops": 30e12,
+    "overlap": 1.25,
+    "eval_batch_rows": 1024,
+}
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size: a flavor of :mod:`gem.flavors` and the dotted overrides that size it."""
+
+    family: str
+    name: str
+    flavor: str
+    overrides: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A world, the sizes trained on it, the seeds, and each run's data budget."""
+
+    name: str
+    world: SynthConfig
+    sizes: tuple[Size, ...]
+    seeds: tuple[int, ...]
+    steps: int
+    batch_rows: int
+    history: int
+    label: str
+
+
+@dataclass(frozen=True)
+class Run:
+    size: Size
+    seed: int
+
+    @property
+    def size_key(self) -> str:
+        return f"{self.size.family}-{self.size.name}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.size_key}.s{self.seed}"
+
+
+def batch_overrides(history: int, batch_rows: int) -> tuple[str, ...]:
+    """Every run reads ``history`` events and trains on ``batch_rows`` rows per step (no token cap below that)."""
+    return (f"data.max_len={history}", f"data.batch_size={batch_rows}", f"data.token_budget={batch_rows * history}")
+
+
+def teacher_size(width: int, layers: int, heads: int, history: int, batch_rows: int) -> Size:
+    """The ``small`` recipe at ``width`` (d_model, item and expert widths) with ``layers`` HSTU blocks of ``heads``."""
+    t = "model.teacher."
+    return Size(
+        "teacher",
+        f"w{width}-l{layers}",
+        "teacher-small",
+        (
+            f"{t}d_model={width}", f"{t}item_dim={width}", f"{t}num_layers={layers}", f"{t}num_heads={heads}",
+            f"{t}attn_dim={width // heads}", f"{t}value_dim={width // heads}", f"{t}expert_hidden={2 * width}",
+            f"{t}expert_dim={width}", f"{t}wukong_hidden={2 * width}", f"{t}repr_dim={width}",
+            f"{t}max_len={history}", *batch_overrides(history, batch_rows),
+        ),
+    )
+
+
+def dlrm_size(width: int, history: int, batch_rows: int) -> Size:
+    """The ``default`` DLRM at embedding width ``width``: bottom MLP (2w, w), top MLP (8w, 4w)."""
+    d = "model.dlrm."
+    return Size(
+        "dlrm",
+        f"d{width}",
+        "default",
+        (
+            f"{d}embedding_dim={width}", f"{d}bottom_mlp={2 * width},{width}",
+            f"{d}top_mlp={8 * width},{4 * width}", *batch_overrides(history, batch_rows),
+        ),
+    )
+
+
+def scaling_plan() -> Plan:
+    history, rows = 1024, 256
+    return Plan(
+        name="scaling",
+        # Blocks of 1,024 users: 25 blocks keep 16 generating processes busy with ~1 GB each.
+        world=synth_preset("default", num_examples=2_000_000, max_history=history, users_per_block=1024),
+        sizes=(
+            teacher_size(32, 2, 2, history, rows),
+            teacher_size(64, 2, 2, history, rows),
+            teacher_size(128, 3, 4, history, rows),
+            teacher_size(256, 4, 4, history, rows),
+            dlrm_size(32, history, rows),
+            dlrm_size(128, history, rows),
+            dlrm_size(512, history, rows),
+        ),
+        seeds=(0, 1, 2),
+        steps=1200,
+        batch_rows=rows,
+        history=history,
+        label="synthetic default, 2M impressions, 1,024-event histories",
+    )
+
+
+def dry_plan() -> Plan:
+    history, rows = 32, 64
+    return Plan(
+        name="dry",
+        world=synth_preset("debug", num_users=300, num_examples=3_000, max_history=history, users_per_block=100),
+        sizes=(
+            teacher_size(16, 1, 2, history, rows),
+            teacher_size(32, 2, 2, history, rows),
+            dlrm_size(8, history, rows),
+            dlrm_size(32, history, rows),
+        ),
+        seeds=(0,),
+        steps=3,
+        batch_rows=rows,
+        history=history,
+        label="synthetic debug, 3k impressions (dry run)",
+    )
+
+
+PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "dry": dry_plan}
+
+
+def plan_runs(plan: Plan) -> list[Run]:
+    return [Run(size, seed) for size in plan.sizes for seed in plan.seeds]
+
+
+# -- the world ------------------------------------------------------------------------------------
+
+
+def prepare(plan: Plan, world_dir: Path, workers: int) -> Path:
+    """``world_dir`` holding the plan's world: reused when its ``synth.json`` has the same config, else generated."""
+    wanted = json.loads(json.dumps(dataclasses.asdict(plan.world)))
+    if (world_dir / SCHEMA_FILE).is_file():
+        found = json.loads((world_dir / STATS_FILE).read_text())["config"]
+        if found != wanted:
+            changed = sorted(k for k in wanted if found.get(k) != wanted[k])
+            raise ValueError(f"{world_dir} holds another world (differs in {changed}): use another --world")
+        print(f"world {world_dir}: reused", flush=True)
+        return world_dir
+    start = time.perf_counter()
+    stats = generate_world(plan.world, world_dir, progress=False, workers=workers)
+    print(f"world {world_dir}: {stats['rows']} rows in {time.perf_counter() - start:.0f} s", flush=True)
+    return world_dir
+
+
+def world_facts(world_dir: Path) -> dict:
+    """Rows per split, history length percentiles and the oracle's test metrics, from ``synth.json``."""
+    stats = json.loads((world_dir / STATS_FILE).read_text())["stats"]
+    return {"rows": stats["rows"], "history_len": stats["history_len"], "oracle_test": stats["oracle_test"]}
+
+
+def sample_offsets(world_dir: Path, history: int, rows: int = 4096) -> torch.Tensor:
+    """``offsets[rows+1]`` of train rows drawn at random (seed 0) from the first shard, histories cut to ``history``."""
+    table = pq.read_table(list_shards(world_dir, "train")[0], columns=["history_item_ids"])
+    lengths = np.minimum(table.column("history_item_ids").combine_chunks().value_lengths().to_numpy(), history)
+    picked = np.random.default_rng(0).choice(lengths, rows)
+    return torch.from_numpy(np.concatenate([[0], np.cumsum(picked)]))
+
+
+def flops_per_example(size: Size, schema: EventSchema, offsets: torch.Tensor) -> float:
+    """Training-step FLOPs per row of ``size`` on rows with history ``offsets``."""
+    cfg = apply_overrides(get_flavor(size.flavor), list(size.overrides))
+    rows = offsets.numel() - 1
+    if cfg.model.arch == "teacher":
+        return teacher_flops(cfg.model.teacher, schema, offsets) / rows
+    return dlrm_flops(cfg.model.dlrm, schema, rows) / rows
+
+
+def estimated_seconds(plan: Plan, family: str, per_example: float, eval_rows: int) -> float:
+    """GPU seconds of one run alone: its steps, then one pass of forward FLOPs (a third) over valid and test."""
+    overhead, rate = COST_MODEL["overhead_s"][family], COST_MODEL["effective_flops"]
+    train = plan.steps * (overhead + plan.batch_rows * per_example / rate)
+    evaluate = eval_rows / COST_MODEL["eval_batch_rows"] * overhead + eval_rows * per_example / 3 / rate
+    return train + evaluate
+
+
+def estimate(plan: Plan, world_dir: Path) -> dict[str, dict]:
+    """Per size: training FLOPs per example and the estimated GPU seconds of one run."""
+    schema = EventSchema.load(world_dir)
+    offsets = sample_offsets(world_dir, plan.history)
+    rows = world_facts(world_dir)["rows"]
+    out = {}
+    for size in plan.sizes:
+        per_example = flops_per_example(size, schema, offsets)
+        out[Run(size, 0).size_key] = {
+            "flops_per_example": per_example,
+            "seconds": estimated_seconds(plan, size.family, per_example, rows["valid"] + rows["test"]),
+        }
+    return out
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not 0 <= int(index) < int(count):
+        raise ValueError(f"--shard {text!r}: expected I/N with 0 <= I < N")
+    return int(index), int(count)
+
+
+def shard_runs(runs: list[Run], costs: dict[str, dict], index: int, count: int) -> list[Run]:
+    """The ``index``-th of ``count`` groups of ``runs``, balanced by estimated seconds (longest first, each
+    run to the least loaded group; ties by name, so every call splits the same way)."""
+    loads = [0.0] * count
+    groups: list[list[Run]] = [[] for _ in range(count)]
+    for run in sorted(runs, key=lambda r: (-costs[r.size_key]["seconds"], r.name)):
+        target = loads.index(min(loads))
+        groups[target].append(run)
+        loads[target] += costs[run.size_key]["seconds"]
+    return groups[index]
+
+
+def shard_seconds(runs: list[Run], costs: dict[str, dict]) -> float:
+    """Estimated GPU seconds of ``runs`` sharing one GPU (their sum, less the time-slicing overlap)."""
+    return sum(costs[r.size_key]["seconds"] for r in runs) / COST_MODEL["overlap"]
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+def run_command(run: Run, world_dir: Path, result: Path, plan: Plan, budget: float,
+                args: argparse.Namespace) -> list[str]:
+    command = [
+        sys.executable, "-m", "experiments.teacher_vs_baseline", "--data", str(world_dir),
+        "--flavor", run.size.flavor, "--seed", str(run.seed), "--epochs", str(args.epochs),
+        "--max-steps", str(plan.steps), "--time-budget", f"{budget:.0f}", "--json", str(result),
+    ]
+    if args.device:
+        command += ["--device", args.device]
+    return command + list(run.size.overrides)
+
+
+@dataclass
+class Process:
+    run: Run
+    out: Path
+    command: list[str]
+    popen: subprocess.Popen
+    started: float
+    budget: float
+    kill_at: float | None
+
+
+def run_budget(args: argparse.Namespace, call_started: float) -> float:
+    """Training seconds of a run starting now (0: none): ``--time-budget``, cut so that with ``--grace`` for
+    its start and evaluation it ends ``--call-budget`` seconds after the call began (at least one second)."""
+    budget = args.time_budget
+    if args.call_budget > 0:
+        left = max(call_started + args.call_budget - time.monotonic() - args.grace, 1.0)
+        budget = min(budget, left) if budget > 0 else left
+    return budget
+
+
+def start(run: Run, world_dir: Path, plan: Plan, args: argparse.Namespace, call_started: float) -> Process:
+    out = Path(args.out) / "runs" / run.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").unlink(missing_ok=True)  # a stale result must not pass for this run's
+    budget = run_budget(args, call_started)
+    command = run_command(run, world_dir, out / "result.json", plan, budget, args)
+    with open(out / "log.txt", "w") as log:
+        log.write(f"$ {shlex.join(command)}\n")
+        log.flush()
+        popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RUN_ENV})
+    now = time.monotonic()
+    return Process(run, out, command, popen, now, budget, now + budget + args.grace if budget > 0 else None)
+
+
+def run_processes(runs: list[Run], launch: Callable[[Run], Process], parallel: int, poll: float,
+                  on_finish: Callable[[Process, bool], None]) -> None:
+    """Start ``runs`` in order, ``parallel`` at a time; a process still alive at its ``kill_at`` is killed."""
+    waiting, alive = list(runs), []
+    while waiting or alive:
+        while waiting and len(alive) < parallel:
+            alive.append(launch(waiting.pop(0)))
+        time.sleep(poll)
+        for proc in list(alive):
+            overdue = proc.kill_at is not None and time.monotonic() > proc.kill_at
+            if proc.popen.poll() is None and overdue:
+                proc.popen.kill()
+            if proc.popen.poll() is None and not overdue:
+                continue
+            proc.popen.wait()
+            alive.remove(proc)
+            on_finish(proc, overdue)
+
+
+# -- summaries --------------------------------------------------------------------------------------
+
+
+def run_row(proc: Process, killed: bool, domains: list[str]) -> dict:
+    """One run: what it was, how it ended, and (from its ``result.json``) FLOPs, parameters and test metrics."""
+    size = proc.run.size
+    row = {
+        "name": proc.run.name,
+        "model": size.family,
+        "size": size.name,
+        "seed": proc.run.seed,
+        "command": shlex.join(proc.command),
+        "rc": proc.popen.returncode,
+        "status": "killed" if killed else ("ok" if proc.popen.returncode == 0 else "failed"),
+        "seconds": round(time.monotonic() - proc.started, 1),
+        "time_budget": round(proc.budget, 1),
+        "log": str(proc.out / "log.txt"),
+    }
+    path = proc.out / "result.json"
+    if not path.is_file():
+        if row["status"] == "ok":
+            row["status"] = "no result"
+        return row
+    result = json.loads(path.read_text())
+    test = result["test"]
+    row.update(
+        parameters=result["parameters"],
+        train_rows=result["train_rows"],
+        train_flops=result["train_flops"],
+        train_flops_at_best=result["train_flops_at_best"],
+        flops_per_example=result["flops_per_example"],
+        best_epoch=result["best_epoch"],
+        epochs=len(result["history"]),
+        tokens_per_s=[round(h["tokens_per_s"]) for h in result["history"]],
+        test={k: test[k] for k in ("click/ne", "click/auc", "click/oracle_ne", "conversion/ne") if k in test},
+        # A domain without a click in the test split has no NE (NaN): None, and its row leaves the domain out.
+        per_domain={name: _finite(test.get(f"click/ne/d{d}")) for d, name in enumerate(domains)},
+    )
+    return row
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and np.isfinite(value) else None
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def group_rows(runs: list[dict], data: str, command: str, date: str) -> list[dict]:
+    """One row per (model, size) over the seeds whose run wrote a result (the module docstring's format)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in runs:
+        if "test" in row:
+            groups.setdefault((row["model"], row["size"]), []).append(row)
+    out = []
+    for (model, size), rows in groups.items():
+        rows = sorted(rows, key=lambda r: r["seed"])
+        ne, ne_std = _mean_std([r["test"]["click/ne"] for r in rows])
+        domains = {
+            name: _mean_std([r["per_domain"][name] for r in rows])
+            for name in rows[0]["per_domain"]
+            if all(r["per_domain"].get(name) is not None for r in rows)
+        }
+        out.append({
+            "model": model,
+            "size": size,
+            "seeds": [r["seed"] for r in rows],
+            "parameters": rows[0]["parameters"],
+            "flops_per_example": statistics.fmean(r["flops_per_example"] for r in rows),
+            "train_flops": statistics.fmean(r["train_flops_at_best"] for r in rows),
+            "click_ne_mean": round(ne, 5),
+            "click_ne_std": round(ne_std, 5),
+            "click_auc_mean": round(statistics.fmean(r["test"]["click/auc"] for r in rows), 5),
+            "per_domain": {k: {"click_ne_mean": round(m, 5), "click_ne_std": round(s, 5)} for k, (m, s) in domains.items()},
+            "train_rows": [r["train_rows"] for r in rows],
+            "data": data,
+            "command": command,
+            "date": date,
+        })
+    return sorted(out, key=lambda g: (FAMILIES.index(g["model"]), g["flops_per_example"]))
+
+
+def write_summary(summary: dict, path: Path) -> None:
+    summary["rows"] = group_rows(summary["runs"], summary["data"], summary["command"], summary["date"])
+    atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'model':<8} {'size':<10} {'n':>2} {'GFLOP/example':>13} {'train FLOPs':>11} {'click NE ± std':>16}"]
+    for g in summary["rows"]:
+        lines.append(
+            f"{g['model']:<8} {g['size']:<10} {len(g['seeds']):>2} {g['flops_per_example'] / 1e9:>13.4f} "
+            f"{g['train_flops']:>11.3e} {g['click_ne_mean']:>9.4f}±{g['click_ne_std']:.4f}"
+        )
+    lines += [f"run {r['name']}: {r['status']} (rc {r['rc']}), log {r['log']}" for r in summary["runs"] if r["status"] != "ok"]
+    if summary.get("missing"):
+        lines.append(f"runs of the plan in no summary: {' '.join(summary['missing'])}")
+    return "\n".join(lines)
+
+
+def bundle(summary_path: Path, out: Path, target: Path, tag: str) -> None:
+    """``target/summary-<tag>.json`` and ``target/runs-<tag>.tar.gz`` (every run's log and result)."""
+    target.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(target / f"summary-{tag}.json", summary_path.read_text())
+    with atomic_path(target / f"runs-{tag}.tar.gz") as tmp, tarfile.open(tmp, "w:gz") as tar:
+        tar.add(out / "runs", arcname=f"runs-{tag}")
+
+
+def sweep(args: argparse.Namespace) -> dict:
+    call_started = time.monotonic()
+    plan = PLANS[args.plan]()
+    index, count = parse_shard(args.shard)
+    out, world_dir = Path(args.out), Path(args.world)
+    prepare(plan, world_dir, args.workers)
+    costs = estimate(plan, world_dir)
+    runs = shard_runs(plan_runs(plan), costs, index, count)
+    schema = EventSchema.load(world_dir)
+    summary = {
+        "plan": plan.name,
+        "shard": args.shard,
+        "data": plan.label,
+        "world": world_facts(world_dir),
+        "estimate": costs,
+        "command": shlex.join(["python", "-m", "experiments.compute_scaling", *args.argv]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "env": RUN_ENV,
+        "rows": [],
+        "runs": [],
+    }
+    summary_path, tag = out / "summary.json", f"{index}of{count}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.bundle:
+        Path(args.bundle).mkdir(parents=True, exist_ok=True)
+    print(f"shard {args.shard}: {len(runs)} runs, ~{shard_seconds(runs, costs):.0f} s of GPU (estimate)", flush=True)
+
+    def on_finish(proc: Process, killed: bool) -> None:
+        row = run_row(proc, killed, schema.domain_names)
+        summary["runs"].append(row)
+        write_summary(summary, summary_path)
+        if args.bundle:  # the headline figures leave the machine even if the call is cut short
+            atomic_write_text(Path(args.bundle) / f"summary-{tag}.json", summary_path.read_text())
+        ne = row.get("test", {}).get("click/ne", float("nan"))
+        print(f"[{len(summary['runs'])}/{len(runs)}] {row['name']}: {row['status']} in {row['seconds']} s, "
+              f"{row.get('train_rows', 0)} rows, {row.get('train_flops', 0):.3e} FLOPs, click NE {ne:.4f}", flush=True)
+
+    launch = functools.partial(start, world_dir=world_dir, plan=plan, args=args, call_started=call_started)
+    run_processes(runs, launch, args.parallel or len(runs), args.poll, on_finish)
+    write_summary(summary, summary_path)
+    if args.bundle:
+        bundle(summary_path, out, Path(args.bundle), tag)
+    print(format_table(summary), flush=True)
+    return summary
+
+
+def combine(paths: list[Path], target: Path) -> dict:
+    """One summary from the summaries of a plan's shards: their runs together, rows recomputed."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    if len({p["plan"] for p in parts}) != 1 or len({p["data"] for p in parts}) != 1:
+        raise ValueError(f"{[str(p) for p in paths]}: summaries of different plans or worlds")
+    names = [r["name"] for p in parts for r in p["runs"]]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"runs in more than one summary: {twice}")
+    summary = {**parts[0], "shard": [p["shard"] for p in parts], "runs": [r for p in parts for r in p["runs"]]}
+    summary["command"] = " && ".join(dict.fromkeys(p["command"] for p in parts))
+    summary["missing"] = sorted({r.name for r in plan_runs(PLANS[summary["plan"]]())} - set(names))
+    write_summary(summary, target)
+    return summary
+
+
+def merge(summary_path: Path, results_path: Path) -> dict:
+    """A summary's rows into a results file: a row replaces the one with its model, size and data."""
+    rows = json.loads(summary_path.read_text())["rows"]
+    current = json.loads(results_path.read_text()) if results_path.is_file() else {"rows": []}
+    fresh = {(r["model"], r["size"], r["data"]) for r in rows}
+    current["rows"] = [r for r in current["rows"] if (r["model"], r["size"], r["data"]) not in fresh] + rows
+    atomic_write_text(results_path, json.dumps(current, indent=2) + "\n")
+    return current
+
+
+def plot(summary_path: Path, png: Path) -> None:
+    """Test click NE against training FLOPs (log x): per model family its seeds (dots) and their mean ± std."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(summary_path.read_text())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family, color in zip(FAMILIES, ("tab:blue", "tab:orange"), strict=True):
+        rows = [g for g in summary["rows"] if g["model"] == family]
+        if not rows:
+            continue
+        runs = [r for r in summary["runs"] if r["model"] == family and "test" in r]
+        ax.scatter([r["train_flops_at_best"] for r in runs], [r["test"]["click/ne"] for r in runs], color=color,
+                   alpha=0.35, s=14)
+        ax.errorbar([g["train_flops"] for g in rows], [g["click_ne_mean"] for g in rows],
+                    yerr=[g["click_ne_std"] for g in rows], color=color, marker="o", capsize=3, label=family)
+        for g in rows:
+            ax.annotate(g["size"], (g["train_flops"], g["click_ne_mean"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7, color=color)
+    oracle = summary.get("world", {}).get("oracle_test", {}).get("click", {}).get("ne")
+    if oracle is not None:
+        ax.axhline(oracle, color="grey", linestyle="--", linewidth=1, label="oracle (true probabilities)")
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("training FLOPs (model FLOPs of the steps trained, to the best valid epoch)")
+    ax.set_ylabel("test click NE (lower is better)")
+    ax.set_title(f"Teacher vs DLRM: {summary['data']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
+def print_plan(args: argparse.Namespace) -> None:
+    plan = PLANS[args.plan]()
+    world_dir = prepare(plan, Path(args.world), args.workers)
+    costs = estimate(plan, world_dir)
+    runs = plan_runs(plan)
+    for name, c in costs.items():
+        print(f"{name:<16} {c['flops_per_example'] / 1e9:9.4f} GFLOP/example  {c['seconds']:7.1f} s per run alone")
+    for index in range(args.shards):
+        shard = shard_runs(runs, costs, index, args.shards)
+        names = " ".join(r.name for r in shard)
+        print(f"shard {index}/{args.shards}: {len(shard)} runs, ~{shard_seconds(shard, costs):.0f} s of GPU: {names}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="action", required=True)
+    run = commands.add_parser("run", help="prepare the world, run a shard of the plan, write summary.json")
+    plan = commands.add_parser("plan", help="prepare the world, print each size's FLOPs and the shards' time estimate")
+    for sub in (run, plan):
+        sub.add_argument("--plan", default="scaling", choices=sorted(PLANS))
+        sub.add_argument("--world", required=True, help="the world's directory (generated unless it holds it)")
+        sub.add_argument("--workers", type=int, default=max(1, min(16, os.cpu_count() or 1)),
+                         help="processes generating the world")
+    plan.add_argument("--shards", type=int, default=2)
+    run.add_argument("--out", required=True, help="runs/<name>/ and summary.json go here")
+    run.add_argument("--shard", default="0/1", help="I/N: the I-th of N balanced groups of the plan's runs")
+    run.add_argument("--epochs", type=int, default=1)
+    run.add_argument("--time-budget", type=float, default=0.0, help="seconds of training per run (0: none)")
+    run.add_argument("--call-budget", type=float, default=0.0,
+                     help="seconds from this command's start by which every run must end (0: none)")
+    run.add_argument("--grace", type=float, default=120.0,
+                     help="seconds past a run's training budget (for its start and evaluation) before it is killed")
+    run.add_argument("--parallel", type=int, default=0, help="runs at once (0: all of the shard)")
+    run.add_argument("--device", default=None)
+    run.add_argument("--bundle", help="also copy the summary and a tarball of the runs here")
+    run.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
+    comb = commands.add_parser("combine", help="one summary from the shards' summaries")
+    comb.add_argument("summaries", nargs="+")
+    comb.add_argument("--out", required=True)
+    merge_parser = commands.add_parser("merge", help="merge a summary's rows into a results file")
+    merge_parser.add_argument("summary")
+    merge_parser.add_argument("results")
+    plot_parser = commands.add_parser("plot", help="test click NE against training FLOPs, as a PNG")
+    plot_parser.add_argument("summary")
+    plot_parser.add_argument("png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        if args.action == "run":
+            summary = sweep(args)
+            return 0 if summary["runs"] and all(r["status"] == "ok" for r in summary["runs"]) else 1
+        if args.action == "plan":
+            print_plan(args)
+        elif args.action == "combine":
+            summary = combine([Path(p) for p in args.summaries], Path(args.out))
+            print(format_table(summary))
+        elif args.action == "merge":
+            print(f"{args.results}: {len(merge(Path(args.summary), Path(args.results))['rows'])} rows")
+        else:
+            plot(Path(args.summary), Path(args.png))
+            print(f"{args.png}: written")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"compute_scaling: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
