@@ -61,9 +61,12 @@ def load_flavor(name: str, overrides: list[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    cfg = load_flavor(args.flavor, args.overrides)
+    if args.print_config:
+        print(cfg.to_json())
+        return
     from gem.train import train
 
-    cfg = load_flavor(args.flavor, args.overrides)
     if not Path(cfg.data.path, "schema.json").is_file():
         raise CLIError(
             f"dataset {cfg.data.path!r} not found; create it with `gem data synth --preset debug|default|large "
@@ -278,6 +281,29 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     _write_json(args.json, report)
 
 
+def flavor_listing() -> str:
+    """One line per flavor of :mod:`gem.flavors`: its model, dataset directory and epochs."""
+    from gem.flavors import FLAVORS, get_flavor
+
+    lines = ["flavors (gem/flavors.py):"]
+    for name in FLAVORS:
+        cfg = get_flavor(name)
+        lines.append(f"  {name:<28} {cfg.model.arch:<8} {cfg.data.path:<22} {cfg.train.max_epochs} epochs")
+    return "\n".join(lines)
+
+
+class FlavorHelp(argparse.Action):
+    """``gem train --help``: the usual help, then the flavors (the registry is read only now: it loads torch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.print_help()
+        print("\n" + flavor_listing())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -299,9 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--json")
     conv.set_defaults(fn=cmd_data_convert)
 
-    tr = sub.add_parser("train", help="train a model flavor (resumes from the run's last checkpoint)")
-    tr.add_argument("--flavor", default="debug")
-    tr.add_argument("--no-resume", action="store_true")
+    tr = sub.add_parser(
+        "train", add_help=False, help="train a model flavor (resumes from the run's last checkpoint)",
+        description="Train a flavor into runs/<name>/ (train.out_dir). A rerun of the same command resumes it; "
+        "a run of another config there is refused (pass name=... for a separate run).",
+    )
+    tr.add_argument("-h", "--help", action=FlavorHelp, help="show this help and the flavors, then exit")
+    tr.add_argument("--flavor", default="debug", help="a named config (listed below)")
+    tr.add_argument("--no-resume", action="store_true", help="refuse to continue an existing run in the run directory")
+    tr.add_argument("--print-config", action="store_true", help="print the resolved config (flavor + overrides) and exit")
     tr.add_argument("--json")
     tr.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.max_epochs=3")
     tr.set_defaults(fn=cmd_train)
@@ -404,10 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Imported after parsing: `gem --help` stays fast (these load pyarrow).
     from foundation.data.io import CorruptFileError
     from foundation.data.validate import DataValidationError
+    from gem.logs import configure_logging
 
-    args = build_parser().parse_args(argv)
+    configure_logging()
     try:
         args.fn(args)
     except (CLIError, ConfigError, DataValidationError, CorruptFileError, FileNotFoundError) as exc:

@@ -33,6 +33,7 @@ from foundation.data.validate import DataValidationError
 from gem.callbacks import GemProgressBar, RecordAndCheckpoint
 from gem.config import ExperimentConfig
 from gem.datamodule import EventDataModule
+from gem.logs import route_library_loggers
 from gem.module import RecModule
 from gem.run_dir import check_same_run, record_config, remove_stale_temps, train_lock
 from gem.tracking import (
@@ -51,7 +52,7 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # Errors that mean the input (config, dataset, teacher outputs) is bad, not the code: the run is refused.
 REJECTIONS = (ConfigError, DataValidationError, CorruptFileError, FileNotFoundError, SharingError, TeacherOutputsError)
 PARAMS_LOGGED_TAG = "gem.params_logged"
-PLOTTED_METRICS = ("train/loss", "val/loss", *(f"val/{task}/ne" for task in TASKS), "val/hr@10", "val/ndcg@10")
+PLOTTED_METRICS = ("train/loss", "val/loss", *(f"val/{task}/ne" for task in TASKS), "val/hr10", "val/ndcg10")
 
 
 def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
@@ -246,6 +247,7 @@ def train(
     directories under ``last.dcp/`` (resumed at any world size), ``last.ckpt`` is a single-file export
     written at the end, and only rank 0 opens the MLflow run (the other ranks return ``run_id`` None).
     """
+    route_library_loggers()
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     out = run_dir(cfg)
     check_same_run(out, cfg.to_dict(), resume=resume)

@@ -109,15 +109,15 @@ def test_datasets_are_prepared_once_and_follow_sequences(tmp_path):
 def test_group_rows_average_seeds_and_keep_the_format():
     runs = [
         {"flavor": "sasrec", "data": "d", "variant": "default", "seed": s, "epochs": 100,
-         "test": {"hr@10": hr, "ndcg@10": hr / 2},
-         "best_valid": {"ndcg@10": {"epoch": 50 + s, "test": {"hr@10": hr + 0.01, "ndcg@10": hr / 2}}}}
+         "test": {"hr10": hr, "ndcg10": hr / 2},
+         "best_valid": {"ndcg10": {"epoch": 50 + s, "test": {"hr10": hr + 0.01, "ndcg10": hr / 2}}}}
         for s, hr in ((1, 0.30), (0, 0.28), (2, 0.29))
     ] + [{"flavor": "sasrec", "data": "d", "variant": "default", "seed": 3, "status": "killed"}]
     (row,) = group_rows(runs, "python -m experiments.ml1m_sweep run ...", "2026-12-01")
-    assert list(row)[:8] == ["flavor", "data", "seeds", "hr@10_mean", "hr@10_std", "ndcg@10_mean", "command", "date"]
-    assert row["seeds"] == [0, 1, 2] and row["hr@10_mean"] == 0.29 and row["hr@10_std"] == 0.01
-    assert row["ndcg@10_mean"] == 0.145 and row["epochs"] == [100, 100, 100]
-    assert row["best_valid"]["hr@10_mean"] == 0.3 and row["best_valid"]["epochs"] == [50, 51, 52]
+    assert list(row)[:8] == ["flavor", "data", "seeds", "hr10_mean", "hr10_std", "ndcg10_mean", "command", "date"]
+    assert row["seeds"] == [0, 1, 2] and row["hr10_mean"] == 0.29 and row["hr10_std"] == 0.01
+    assert row["ndcg10_mean"] == 0.145 and row["epochs"] == [100, 100, 100]
+    assert row["best_valid"]["hr10_mean"] == 0.3 and row["best_valid"]["epochs"] == [50, 51, 52]
 
 
 def test_sweep_runs_concurrently_and_summarises(tmp_path, capsys, monkeypatch):
@@ -137,7 +137,7 @@ def test_sweep_runs_concurrently_and_summarises(tmp_path, capsys, monkeypatch):
     summary = json.loads((out / "summary.json").read_text())
     by_name = {r["name"]: r for r in summary["runs"]}
     good, bad = by_name["ml1m_hstu.ratings.default.s0"], by_name["sasrec.sequences.no_such_field-1.s0"]
-    assert good["status"] == "ok" and good["epochs"] == 1 and 0 <= good["test"]["hr@10"] <= 1
+    assert good["status"] == "ok" and good["epochs"] == 1 and 0 <= good["test"]["hr10"] <= 1
     assert good["env"] == {} and "--flavor ml1m_hstu" in good["command"]
     assert bad["status"] == "failed" and bad["rc"] != 0 and "no_such_field" in Path(bad["log"]).read_text()
     (row,) = summary["rows"]
@@ -159,15 +159,15 @@ def test_sweep_runs_concurrently_and_summarises(tmp_path, capsys, monkeypatch):
 def test_merge_replaces_rows_of_the_same_flavor_data_and_variant(tmp_path):
     results = tmp_path / "ml1m.json"
     results.write_text(json.dumps({"rows": [
-        {"flavor": "ml1m_hstu", "data": "sequences.tsv", "hr@10_mean": 0.2897},
-        {"flavor": "sasrec", "data": "sequences.tsv", "variant": "default", "hr@10_mean": 0.1},
+        {"flavor": "ml1m_hstu", "data": "sequences.tsv", "hr10_mean": 0.2897},
+        {"flavor": "sasrec", "data": "sequences.tsv", "variant": "default", "hr10_mean": 0.1},
     ]}))
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"rows": [{"flavor": "sasrec", "data": "sequences.tsv", "variant": "default",
-                                             "hr@10_mean": 0.28}]}))
+                                             "hr10_mean": 0.28}]}))
     assert main(["merge", str(summary), str(results)]) == 0
     rows = json.loads(results.read_text())["rows"]
-    assert [(r["flavor"], r["hr@10_mean"]) for r in rows] == [("ml1m_hstu", 0.2897), ("sasrec", 0.28)]
+    assert [(r["flavor"], r["hr10_mean"]) for r in rows] == [("ml1m_hstu", 0.2897), ("sasrec", 0.28)]
 
 
 @pytest.mark.data
