@@ -275,9 +275,15 @@ def cmd_package(args: argparse.Namespace) -> None:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
+    from gem.pipeline import PipelineError
     from gem.quickstart import run_quickstart
+    from transfer.store import StoreError
+    from value_models.serving import BudgetError
 
-    report = run_quickstart(preset=args.preset, flavor=args.flavor, overrides=args.overrides)
+    try:
+        report = run_quickstart(args.recipe, args.out)
+    except (BudgetError, StoreError, PipelineError) as exc:
+        raise CLIError(str(exc)) from exc
     _write_json(args.json, report)
 
 
@@ -426,11 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--json")
     pk.set_defaults(fn=cmd_package)
 
-    qs = sub.add_parser("quickstart", help="synthetic data -> training -> evaluation, all in MLflow")
-    qs.add_argument("--preset", default="default")
-    qs.add_argument("--flavor", default="default")
-    qs.add_argument("--json")
-    qs.add_argument("overrides", nargs="*")
+    qs = sub.add_parser(
+        "quickstart", help="the mission: world -> DLRM and GEM teacher -> students -> export -> packaged model -> a request",
+        description="Train the DLRM baseline and the GEM teacher, distil students, export embeddings, package the "
+        "student under its latency budget and score one request; print the comparison and write OUT/report.json. "
+        "A rerun reuses the finished stages.",
+    )
+    qs.add_argument("--recipe", default="debug", help="gem/flavors.py MISSION_RECIPES: debug (make quickstart), tiny")
+    qs.add_argument("--out", default="runs/quickstart", help="where its runs, store and report.json go")
+    qs.add_argument("--json", help="also write the report here")
     qs.set_defaults(fn=cmd_quickstart)
     return parser
 

@@ -15,7 +15,8 @@ import sys
 import warnings
 
 # Notices from dependencies that say nothing about the user's run: a deprecation inside Lightning's own
-# code, an advertisement, restatements of settings the run chose, and a torch.fx note torchrec triggers.
+# code, an advertisement, restatements of settings the run chose, a torch.fx note torchrec triggers, and
+# MLflow's advice on pyfunc type hints (the value model validates its requests itself).
 SILENCED = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r".*litlogger",
@@ -23,6 +24,7 @@ SILENCED = (
     r"is_fx_tracing will return true",
     r"The '(train|val)_dataloader' does not have many workers",
     r"You are using a CUDA device .* that has Tensor Cores",
+    r"Add type hints to the `predict` method",
 )
 LIBRARY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
 QUIET_LOGGERS = {"mlflow": logging.WARNING, "alembic": logging.WARNING, "torch.fx._symbolic_trace": logging.ERROR}
