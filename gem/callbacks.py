@@ -39,7 +39,8 @@ class RecordAndCheckpoint(Callback):
         self.saved_step: int | None = None
 
     def save(self, trainer: L.Trainer) -> None:
-        if trainer.global_step != self.saved_step:
+        # No checkpoint of a model that took no step: a later run would resume it as trained.
+        if trainer.global_step not in (0, self.saved_step):
             trainer.save_checkpoint(self.path, weights_only=False)
             self.saved_step = trainer.global_step
 

@@ -20,6 +20,7 @@ are recorded in ``OUT/quickstart.json`` and reused by a rerun, which continues t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -117,9 +118,13 @@ def train_models(
             save_state(out_dir, state)
     stage_header(4, f"students: {recipe.student} alone, {', '.join(recipe.methods)} on {recipe.student_split!r}")
     cfg = report_config(recipe, state["teacher"], data_path, out_dir, seed, seeds or recipe.seeds)
-    path = run_transfer_report(cfg, parent_run_id=parent)
-    state["students"] = {"report": str(path), **summarize_students(json.loads(path.read_text()), recipe)}
-    save_state(out_dir, state)
+    request = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    recorded = state.get("students")
+    if not (recorded and recorded["request"] == request and Path(recorded["report"]).is_file()):
+        path = run_transfer_report(cfg, parent_run_id=parent)
+        state["students"] = {"report": str(path), "request": request,
+                             **summarize_students(json.loads(path.read_text()), recipe)}
+        save_state(out_dir, state)
     return state
 
 
