@@ -7,15 +7,22 @@ backward and forward+backward for self-attention (B=32, H=4, D=128, N in {1024, 
 full, uniform and heavy-tailed lengths; 0 and 20 targets) against the padded PyTorch path (SDPA
 for softmax, batched matmul for pointwise) and PyTorch's varlen flash attention, and the
 GEM-like cross-attention shapes. TFLOP/s count valid pairs only (``kernels.flops``).
-``triton`` rows run the default backward; ``triton-det`` rows, ``GEM_KERNELS_DETERMINISTIC=1``, appear
-where that differs from the default (pointwise attention with bias tables, whose dQ is fused by
-default); ``--ptr`` adds ``triton-ptr`` rows with pointer loads instead of TMA descriptors. Triton
-rows are also timed as CUDA-graph replays (``graph``), which leaves out the host's launch cost.
-Checks and compiles run first in parallel worker processes. ``--bias`` gives every self-attention
-row HSTU's position and time bias tables, as the teacher runs it (no padded or varlen baselines
-then).
+``--ptr`` adds ``triton-ptr`` rows with pointer loads instead of TMA descriptors. Triton rows are
+also timed as CUDA-graph replays (``graph``), which leaves out the host's launch cost. Checks and
+compiles run first in parallel worker processes. ``--bias`` gives every self-attention row HSTU's
+position and time bias tables (no padded or varlen baselines then).
+
+``--teacher`` instead times the ``large`` teacher's attention (H=8, D=128, SiLU, causal, 5 target
+tokens, position table [8, 4102], time table [8, 128]) at N=512 and 4,096, biased against unbiased,
+forward, backward and both, in one process: bf16 checks against the float32 reference first (each
+variant's first call, autotuned or not), then ``--repeats`` rounds of ``do_bench`` medians, and the
+biased/unbiased time ratios. ``--write-tuned PATH`` writes the checked-in table
+``kernels/triton/tuned_configs.json`` plus the run's autotuner picks to PATH (autotuning on).
+``--device cpu`` runs the same on tiny shapes under ``TRITON_INTERPRET=1`` (a dry run of the
+script, not a measurement).
 
     PYTHONUNBUFFERED=1 python experiments/bench_jagged_attention.py --json bench.json
+    PYTHONUNBUFFERED=1 python experiments/bench_jagged_attention.py --teacher --json teacher.json
 """
 
 from __future__ import annotations
@@ -28,8 +35,12 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
+import statistics
 import sys
+import time
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +48,7 @@ from triton.testing import do_bench
 
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import (
-    jagged_attention as ref_attention,
+    jagged_attention as ref_backend,
 )
 from kernels.pytorch.jagged_attention import (
     jagged_cross_attention as ref_cross_attention,
@@ -46,11 +57,22 @@ from kernels.pytorch.jagged_attention import (
     pad_jagged,
     self_attention_mask,
 )
-from kernels.triton.jagged_attention import jagged_attention as tri_attention
+from kernels.spec import AttentionSpec
+from kernels.triton import jagged_attention as triton_backend
+from kernels.triton.configs import TUNED_PATH, write_tuned
 from kernels.triton.jagged_attention import jagged_cross_attention as tri_cross_attention
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
+
+
+def tri_attention(q, k, v, offsets, n, **options):
+    """The Triton backend, called directly (no dispatcher checks in the timed path)."""
+    return triton_backend.jagged_attention(q, k, v, offsets, n, AttentionSpec(**options))
+
+
+def ref_attention(q, k, v, offsets, n, **options):
+    return ref_backend(q, k, v, offsets, n, AttentionSpec(**options))
 
 
 def make_lengths(kind: str, batch: int, n: int, gen: torch.Generator) -> list[int]:
@@ -72,7 +94,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def median_ms(fn, grad_to_none=None, rep: int = 100) -> float:
+    if DEVICE == "cpu":
+        return cpu_median_ms(fn, grad_to_none)
     return do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def cpu_median_ms(fn, grad_to_none=None) -> float:
+    """Wall-clock time of one call: the CPU dry run checks the script, it measures nothing."""
+    for x in grad_to_none or []:
+        x.grad = None
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
 
 
 def peak_gb(fn) -> float:
@@ -165,16 +198,13 @@ def check_jobs(ptr: bool = False) -> list[tuple]:
         jobs.append(("self", f"{act} non-causal D=64", dict(heads=2, dqk=64, dv=64, activation=act, causal=False)))
         jobs.append(("self", f"{act} causal targets+window+pos+time D=128",
                      dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64, time=32)))
-        jobs.append(("self", f"{act} causal targets+window+pos+time deterministic",
-                     dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64, time=32,
-                          det=True)))
         # The first call of a new tuning key autotunes, as the first training step of every new
         # length bucket does; the trials must not disturb the gradients of that call.
         jobs.append(("self", f"{act} causal targets+window+pos+time autotuned",
                      dict(heads=2, dqk=128, dv=128, activation=act, causal=True, targets=True, window=100, pos=64, time=32,
                           autotune=True)))
-        jobs.append(("self", f"{act} causal D=128 deterministic autotuned",
-                     dict(heads=2, dqk=128, dv=128, activation=act, causal=True, det=True, autotune=True)))
+        jobs.append(("self", f"{act} causal D=128 autotuned",
+                     dict(heads=2, dqk=128, dv=128, activation=act, causal=True, autotune=True)))
         jobs.append(("self", f"{act} causal targets Dqk=96 Dv=80",
                      dict(heads=3, dqk=96, dv=80, activation=act, causal=True, targets=True)))
         jobs.append(("cross", f"cross {act} short-q long-kv", dict(q_lens=[5, 0, 192, 7], kv_lens=[900, 30, 256, 0], heads=4, activation=act)))
@@ -193,8 +223,11 @@ def warm_jobs(acts, targets, heads, dim, cross: bool) -> list[tuple]:
 def run_job(job: tuple) -> dict | None:
     kind, name, kw = job
     kw = dict(kw)
-    os.environ["GEM_KERNELS_DETERMINISTIC"] = "0"
     gen = torch.Generator(DEVICE).manual_seed(zlib.crc32(name.encode()))
+    if kind == "warm-teacher":
+        # The parent's autotuning switch holds: the workers compile what the timed run will use.
+        teacher_check(kw["n"], kw["biased"], gen)
+        return None
     if kind.startswith("warm"):
         os.environ.pop("GEM_KERNELS_AUTOTUNE", None)
         if kind == "warm-self":
@@ -202,10 +235,8 @@ def run_job(job: tuple) -> dict | None:
             offsets = offsets_of(lengths)
             q, k, v = leaves(sum(lengths), kw["heads"], kw["dim"], kw["dim"], gen)
             nt = torch.tensor([20, 20, 20, 5], device=DEVICE) if kw["targets"] else None
-            for det in ("0", "1"):
-                os.environ["GEM_KERNELS_DETERMINISTIC"] = det
-                fwd_bwd(lambda: tri_attention(q, k, v, offsets, 1000, activation=kw["activation"], causal=True,
-                                              num_targets=nt), [q, k, v], 0)
+            fwd_bwd(lambda: tri_attention(q, k, v, offsets, 1000, activation=kw["activation"], causal=True,
+                                          num_targets=nt), [q, k, v], 0)
         else:
             q_off, kv_off = offsets_of([192, 192]), offsets_of([300, 1000])
             q, _, _ = leaves(384, kw["heads"], 128, 128, gen)
@@ -219,8 +250,6 @@ def run_job(job: tuple) -> dict | None:
     else:
         os.environ["GEM_KERNELS_AUTOTUNE"] = "0"
     os.environ.pop("GEM_KERNELS_TMA", None)
-    if kw.pop("det", False):
-        os.environ["GEM_KERNELS_DETERMINISTIC"] = "1"
     if kw.pop("ptr", False):
         os.environ["GEM_KERNELS_TMA"] = "0"
     if kind == "cross":
@@ -310,9 +339,7 @@ def time_variants(name_fns: dict, tensors, flops_fwd: float, rep: int) -> list[d
     rows = []
     for impl, fn in name_fns.items():
         row = {"impl": impl}
-        # "-det" rows run the deterministic backward (a separate dQ pass, no atomics); "-ptr" rows load
-        # tiles with pointer loads instead of TMA descriptors.
-        os.environ["GEM_KERNELS_DETERMINISTIC"] = "1" if impl.endswith("-det") else "0"
+        # "-ptr" rows load tiles with pointer loads instead of TMA descriptors.
         os.environ["GEM_KERNELS_TMA"] = "0" if impl.endswith("-ptr") else "1"
         # The padded path runs ~100 ms a step at N=8192: a few repeats give a stable median.
         rep_ms = 30 if impl == "padded" else rep
@@ -379,8 +406,6 @@ def bench_self(ns, kinds, targets, acts, batch, heads, dim, padded: bool, bias: 
                     tri = functools.partial(tri_attention, q, k, v, offsets, n, activation=act, causal=True,
                                             num_targets=num_targets, **extra)
                     fns = {"triton": tri}
-                    if bias and act != "softmax" and n_t == 0:
-                        fns["triton-det"] = tri
                     if ptr:
                         fns["triton-ptr"] = tri
                     if padded and not bias:
@@ -436,6 +461,116 @@ def bench_cross(batch: int, padded: bool) -> list[dict]:
     return rows
 
 
+# The ``large`` teacher's attention (foundation/model/teacher_config.py): 8 heads of 128, SiLU, causal,
+# num_cls=4 CLS tokens plus the candidate as targets, position buckets max_len + num_cls + 2, 128 time buckets.
+TEACHER = dict(heads=8, dim=128, targets=5, pos_buckets=4102, time_buckets=128)
+
+
+def teacher_batch(lengths: list[int], gen: torch.Generator, biased: bool) -> dict:
+    """Leaves and options of one teacher-shaped self-attention batch (times: cumulative gaps of 0-1 h)."""
+    heads, dim, total = TEACHER["heads"], TEACHER["dim"], sum(lengths)
+    q, k, v = leaves(total, heads, dim, dim, gen)
+    offsets = offsets_of(lengths)
+    options = dict(activation="silu", causal=True,
+                   num_targets=torch.clamp(offsets[1:] - offsets[:-1], max=TEACHER["targets"]))
+    grads = [q, k, v]
+    if biased:
+        pb = (0.1 * torch.randn(heads, TEACHER["pos_buckets"], device=DEVICE, generator=gen)).requires_grad_(True)
+        tb = (0.1 * torch.randn(heads, TEACHER["time_buckets"], device=DEVICE, generator=gen)).requires_grad_(True)
+        ts = torch.randint(0, 3600, (total,), device=DEVICE, generator=gen).cumsum(0)
+        options.update(pos_bias=pb, time_bias=tb, timestamps=ts)
+        grads += [pb, tb]
+    return dict(q=q, k=k, v=v, offsets=offsets, n=max(lengths), options=options, grads=grads)
+
+
+def teacher_check(n: int, biased: bool, gen: torch.Generator) -> dict:
+    """The variant's first call in this process (autotuned or not) against the float32 reference:
+    lengths 0, 1, 17, n/3 and n, every gradient."""
+    b = teacher_batch([n, 0, 1, max(n // 3, 2), 17], gen, biased)
+    q, k, v, offsets, longest, options = b["q"], b["k"], b["v"], b["offsets"], b["n"], b["options"]
+    got = fwd_bwd(lambda: tri_attention(q, k, v, offsets, longest, **options), b["grads"], 3)
+    want = fwd_bwd(lambda: ref_attention(q.float(), k.float(), v.float(), offsets, longest, **options), b["grads"], 3)
+    names = ["out", "dq", "dk", "dv", "dpos", "dtime"][: len(got)]
+    errs = {nm: rel_err(a, w) for nm, a, w in zip(names, got, want, strict=True)}
+    finite = all(torch.isfinite(a).all().item() for a in got)
+    return {"case": f"teacher N={n} {'biased' if biased else 'unbiased'}", "errors": errs, "finite": finite}
+
+
+def teacher_times(b: dict, rep: int) -> dict:
+    """Forward, backward and forward+backward medians (ms) of one batch."""
+    q, k, v, offsets, n, options = b["q"], b["k"], b["v"], b["offsets"], b["n"], b["options"]
+
+    def fn():
+        return tri_attention(q, k, v, offsets, n, **options)
+
+    with torch.no_grad():
+        fwd = median_ms(fn, rep=rep)
+    out = fn()
+    g = torch.randn_like(out)
+    bwd = median_ms(lambda: out.backward(g, retain_graph=True), grad_to_none=b["grads"], rep=rep)
+    both = median_ms(functools.partial(_forward_backward, fn, g), grad_to_none=b["grads"], rep=rep)
+    for x in b["grads"]:
+        x.grad = None
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "fwdbwd_ms": both}
+
+
+def teacher_row(n: int, kind: str, lengths: list[int], rounds: dict) -> dict:
+    """Medians over rounds, TFLOP/s on valid pairs, and the biased/unbiased time ratios."""
+    offsets = offsets_of(lengths)
+    nt = torch.clamp(offsets[1:] - offsets[:-1], max=TEACHER["targets"])
+    pairs = valid_pairs(offsets, n, causal=True, num_targets=nt)
+    flops = attention_flops(pairs, TEACHER["heads"], TEACHER["dim"], TEACHER["dim"])
+    row = {"N": n, "lengths": kind, "B": len(lengths), "tokens": sum(lengths), "pairs": pairs}
+    for variant in ("unbiased", "biased"):
+        for part, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5)):
+            runs = [r[f"{part}_ms"] for r in rounds[variant]]
+            ms = statistics.median(runs)
+            row[f"{variant}_{part}_ms"] = ms
+            row[f"{variant}_{part}_runs_ms"] = runs
+            row[f"{variant}_{part}_tflops"] = flops * factor / ms / 1e9
+    for part in ("fwd", "bwd", "fwdbwd"):
+        row[f"ratio_{part}"] = row[f"biased_{part}_ms"] / row[f"unbiased_{part}_ms"]
+    return row
+
+
+def fmt_teacher(r: dict) -> str:
+    parts = []
+    for part in ("fwd", "bwd", "fwdbwd"):
+        parts.append(f"{part} {r[f'unbiased_{part}_ms']:7.3f} -> {r[f'biased_{part}_ms']:7.3f} ms "
+                     f"({r[f'unbiased_{part}_tflops']:5.0f} -> {r[f'biased_{part}_tflops']:5.0f} TF, x{r[f'ratio_{part}']:.2f})")
+    return f"teacher N={r['N']:5d} {r['lengths']:6s} B={r['B']:4d} | " + " | ".join(parts)
+
+
+def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, rep: int) -> tuple[list, list]:
+    """Checks, then ``repeats`` rounds of unbiased and biased timings (alternating, so drift hits both)."""
+    gen = torch.Generator().manual_seed(5)
+    dgen = torch.Generator(DEVICE).manual_seed(5)
+    checks, rows = [], []
+    for n in ns:
+        for biased in (False, True):
+            checks.append(teacher_check(n, biased, dgen))
+            print(fmt_check(checks[-1]), flush=True)
+        for kind in kinds:
+            lengths = make_lengths(kind, max(tokens // n, 1), n, gen)
+            batches = {"unbiased": teacher_batch(lengths, dgen, False), "biased": teacher_batch(lengths, dgen, True)}
+            rounds = {"unbiased": [], "biased": []}
+            for _ in range(repeats):
+                for variant, b in batches.items():
+                    rounds[variant].append(teacher_times(b, rep))
+            rows.append(teacher_row(n, kind, lengths, rounds))
+            print(fmt_teacher(rows[-1]), flush=True)
+            del batches
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    return checks, rows
+
+
+def fmt_check(c: dict) -> str:
+    errs = " ".join(f"{k}={v:.1e}" for k, v in c["errors"].items())
+    rerun = f" rerun={c['rerun_max_diff']:.1e}" if "rerun_max_diff" in c else ""
+    return f"check {c['case']:48s} {errs}{rerun} finite={c['finite']}"
+
+
 def fmt_row(r: dict) -> str:
     head = f"{r['op']:9s} {r['act']:7s} N={r['N']:5d} {r['lengths']:15s} tg={r['targets']:2d} {r['impl']:12s}"
     if "error" in r:
@@ -465,14 +600,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="also check and time the kernels with pointer loads (GEM_KERNELS_TMA=0)")
     parser.add_argument("--workers", type=int, default=12, help="processes for checks and compiles")
     parser.add_argument("--json", type=str, default=None, help="write every row here")
+    parser.add_argument("--teacher", action="store_true", help="the large teacher's attention, biased vs unbiased")
+    parser.add_argument("--teacher-n", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--teacher-lengths", nargs="+", default=["full", "heavy"])
+    parser.add_argument("--teacher-tokens", type=int, default=65536, help="tokens per teacher batch (B = tokens / N)")
+    parser.add_argument("--repeats", type=int, default=3, help="teacher timing rounds; rows report their median")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench milliseconds per timing")
+    parser.add_argument("--write-tuned", type=str, default=None, metavar="PATH",
+                        help="write the checked-in table plus this run's autotuner picks here (then copy it to "
+                             "kernels/triton/tuned_configs.json)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a dry run under TRITON_INTERPRET=1 (use tiny --teacher-n/--teacher-tokens)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    global DEVICE, DTYPE
+    DEVICE = args.device
+    # The interpreter computes through numpy, which has no bfloat16.
+    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA device (or --device cpu with TRITON_INTERPRET=1 for a dry run)", file=sys.stderr)
+        return 2
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     import triton
 
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "argv": sys.argv}
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "argv": sys.argv,
+            "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
+            "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "default")}
+    if args.teacher:
+        return main_teacher(args, meta)
+    if DEVICE == "cpu":
+        print("only --teacher has a CPU dry run", file=sys.stderr)
+        return 2
     meta.update(ceilings())
     print(json.dumps(meta), flush=True)
     jobs = [] if args.no_checks else check_jobs(args.ptr)
@@ -480,8 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = run_parallel(jobs, args.workers)
     print(f"checks and compiles done in parallel: {len(jobs)} jobs", flush=True)
     for c in checks:
-        errs = " ".join(f"{k}={v:.1e}" for k, v in c["errors"].items())
-        print(f"check {c['case']:48s} {errs} rerun={c['rerun_max_diff']:.1e} finite={c['finite']}", flush=True)
+        print(fmt_check(c), flush=True)
     rows = bench_self(args.n, args.lengths, args.targets, args.acts, args.batch, args.heads, args.dim, not args.no_padded,
                       args.bias, args.ptr)
     if not args.no_cross:
@@ -492,6 +651,32 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== summary ==")
     for r in rows:
         print(fmt_row(r))
+    return 0
+
+
+def main_teacher(args, meta: dict) -> int:
+    print(json.dumps(meta), flush=True)
+    start = time.perf_counter()
+    if DEVICE == "cuda":
+        jobs = [("warm-teacher", f"N={n} biased={b}", dict(n=n, biased=b)) for n in args.teacher_n for b in (False, True)]
+        run_parallel(jobs, args.workers)
+        print(f"compiled in parallel: {time.perf_counter() - start:.0f} s", flush=True)
+    checks, rows = bench_teacher(args.teacher_n, args.teacher_lengths, args.teacher_tokens, args.repeats, args.rep)
+    meta["wall_s"] = time.perf_counter() - start
+    if args.write_tuned and DEVICE == "cuda":
+        path = Path(args.write_tuned)
+        if TUNED_PATH.exists() and not path.exists():
+            shutil.copyfile(TUNED_PATH, path)
+        write_tuned(triton_backend.TUNED, torch.device("cuda"), path)
+        print(f"wrote {len(triton_backend.TUNED)} autotuned picks to {path}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
+    print(f"\n== teacher summary ({meta['wall_s']:.0f} s) ==")
+    for c in checks:
+        print(fmt_check(c))
+    for r in rows:
+        print(fmt_teacher(r))
     return 0
 
 

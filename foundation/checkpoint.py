@@ -12,6 +12,8 @@ a checkpoint); one that needs only parameters reads them with :func:`read_traini
 
 from __future__ import annotations
 
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,20 +23,35 @@ from torch import nn
 
 from foundation.data.io import CorruptFileError
 from foundation.data.schema import EventSchema
+from foundation.messages import clip
 
 RUN_ID_FILE = "mlflow_run_id"
 MODEL_PREFIX = "model."
 
 
 def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True`` (no pickle code execution), with a clear error."""
+    """Load a checkpoint with ``weights_only=True`` (no pickle code execution).
+
+    Raises :class:`CorruptFileError` with one line naming the file and why: empty, refused (it holds
+    objects beyond tensors and plain containers, which only an unsafe load could build), or unreadable.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: checkpoint not found")
+    if path.stat().st_size == 0:
+        raise CorruptFileError(f"{path}: empty file (0 bytes), not a checkpoint; was its copy or save interrupted?")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        culprit = re.search(r"GLOBAL (\S+)|Unsupported operand \S+", str(exc))
+        detail = f" ({culprit.group(1) or culprit.group(0)})" if culprit else ""
+        raise CorruptFileError(
+            f"{path}: refused: not a weights-only checkpoint{detail}; it was not loaded, since only an "
+            "unsafe load (one that can run code from the file) could build it"
+        ) from None
     except Exception as exc:
-        raise CorruptFileError(f"{path}: unreadable checkpoint (truncated or corrupt?): {exc}") from exc
+        first = clip(f"{type(exc).__name__}: {' '.join(str(exc).split())}", 160)
+        raise CorruptFileError(f"{path}: unreadable checkpoint (truncated or corrupt?): {first}") from None
 
 
 def checkpoint_run_id(ckpt_path: str | Path) -> str | None:

@@ -7,6 +7,7 @@ Every subcommand validates its arguments before doing work and reports problems 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from foundation.config import ConfigError, apply_overrides
 
 EXIT_USAGE = 2
+MAX_ERROR_CHARS = 500
 # transfer.sharing.POLICIES, spelled out so that building the parser imports no torch.
 POLICY_CHOICES = ("freeze", "finetune", "finetune_lower_lr")
 
@@ -54,6 +56,14 @@ def cmd_data_convert(args: argparse.Namespace) -> None:
     _write_json(args.json, stats)
 
 
+def cmd_data_checksum(args: argparse.Namespace) -> None:
+    from foundation.data.io import adopt_shards
+
+    if not Path(args.dataset, "schema.json").is_file():
+        raise CLIError(f"dataset {args.dataset!r} not found (no schema.json)")
+    print(json.dumps(adopt_shards(args.dataset)))
+
+
 def load_flavor(name: str, overrides: list[str]):
     from gem.flavors import get_flavor
 
@@ -88,13 +98,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_teacher_outputs(args: argparse.Namespace) -> None:
-    from gem.module import load_trained
+    from gem.module import load_teacher
     from gem.train import tracking_uri
     from transfer.teacher_outputs import write_teacher_outputs
 
     if not Path(args.ckpt).is_file():
         raise CLIError(f"checkpoint not found: {args.ckpt}")
-    teacher = load_trained(args.ckpt)
+    teacher = load_teacher(args.ckpt, purpose="`gem teacher-outputs`")
     stats = write_teacher_outputs(
         teacher, args.data or teacher.config["data"]["path"], args.split, args.out, rows_per_shard=args.rows_per_shard, tracking_uri=tracking_uri()
     )
@@ -165,14 +175,14 @@ def cmd_pipeline(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from gem.module import load_trained
+    from gem.module import load_teacher
     from gem.train import tracking_uri
     from transfer.export import export_embeddings
     from transfer.store import StoreError
 
     if not Path(args.ckpt).is_file():
         raise CLIError(f"checkpoint not found: {args.ckpt}")
-    teacher = load_trained(args.ckpt)
+    teacher = load_teacher(args.ckpt, purpose="`gem export` (it publishes a teacher's user/item vectors)")
     try:
         report = export_embeddings(
             teacher,
@@ -331,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--json")
     conv.set_defaults(fn=cmd_data_convert)
 
+    checksum = data.add_parser(
+        "checksum", help="give shards written by another tool their .sha256 (after reading every page)"
+    )
+    checksum.add_argument("dataset")
+    checksum.set_defaults(fn=cmd_data_checksum)
+
     tr = sub.add_parser(
         "train", add_help=False, help="train a model flavor (resumes from the run's last checkpoint)",
         description="Train a flavor into runs/<name>/ (train.out_dir). A rerun of the same command resumes it; "
@@ -445,19 +461,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def fail(message: str) -> int:
+    """Print ``message`` as one ``gem: error:`` line of at most :data:`MAX_ERROR_CHARS` characters."""
+    from foundation.messages import clip
+
+    print(f"gem: error: {clip(' '.join(message.split()), MAX_ERROR_CHARS)}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``file: reason`` for an error of the machine (a full disk, a permission); the errno name when known."""
+    reason = f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})" if exc.strerror else str(exc)
+    return f"{exc.filename}: {reason}" if exc.filename else reason
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Imported after parsing: `gem --help` stays fast (these load pyarrow).
     from foundation.data.io import CorruptFileError
+    from foundation.data.schema import SchemaError
     from foundation.data.validate import DataValidationError
+    from gem.errors import ModelRoleError, ResumeError, TrainingError
+    from transfer.store import StoreError
     from gem.logs import configure_logging
 
     configure_logging()
     try:
         args.fn(args)
-    except (CLIError, ConfigError, DataValidationError, CorruptFileError, FileNotFoundError) as exc:
-        print(f"gem: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (
+        CLIError, ConfigError, DataValidationError, CorruptFileError, SchemaError, StoreError, TrainingError,
+        ResumeError, ModelRoleError, FileNotFoundError,
+    ) as exc:
+        return fail(str(exc))
+    except OSError as exc:
+        return fail(describe_os_error(exc))
     return 0
 
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 
 from foundation.data.batch import BatchPosition, JaggedBatch
-from foundation.data.io import list_shards
+from foundation.data.io import list_shards, open_shard
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, count_rows
 from foundation.data.schema import EventSchema
 
@@ -48,6 +48,13 @@ class EventDataModule(L.LightningDataModule):
         self.next_worker_stream = 0
         self.train_stream: EventStream | None = None
         self._estimates: dict[str, int] = {}
+
+    def verify_shards(self) -> None:
+        """Open every shard of the train and eval splits (checksum, columns), so that a corrupt or foreign
+        file is refused before a run starts rather than at its first batch."""
+        for split in dict.fromkeys((self.cfg.train_split, self.cfg.eval_split)):
+            for shard in list_shards(self.cfg.path, split):
+                open_shard(shard, self.schema, verify_sha256=self.cfg.verify_sha256)
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer

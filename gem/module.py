@@ -22,15 +22,16 @@ import lightning as L
 import numpy as np
 import torch
 
-from foundation.checkpoint import TrainedModel, read_training_checkpoint
+from foundation.checkpoint import TrainedModel, TrainingCheckpoint, read_training_checkpoint
 from foundation.data.batch import JaggedBatch
 from foundation.data.pipeline import valid_item_mask
 from foundation.data.schema import EventSchema
 from foundation.metrics import PredictionLog, RankingMetrics
 from foundation.model.outputs import ModelOutput
 from gem.config import experiment_from_dict
+from gem.errors import ModelRoleError, ResumeError
 from gem.loop import Throughput, train_step
-from gem.registry import ITEM_TABLES, build_model
+from gem.registry import ITEM_TABLES, TEACHER_ARCHS, build_model
 from transfer.sharing import (
     SharingResult,
     build_param_groups,
@@ -214,9 +215,32 @@ class RecModule(L.LightningModule):
         checkpoint["rng_state"] = torch.get_rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_resumable(self, checkpoint)
         if "rng_state" in checkpoint:
             torch.set_rng_state(checkpoint["rng_state"])
         adopt_automatic_step_count(checkpoint)
+
+
+def check_resumable(module: RecModule, checkpoint: dict[str, Any]) -> None:
+    """Raise :class:`ResumeError` naming the first parameter of ``checkpoint`` that does not fit ``module``
+    (another flavor's or model size's checkpoint), before Lightning loads it."""
+    saved = checkpoint.get("state_dict")
+    if saved is None:
+        return
+    own = module.state_dict()
+    config = checkpoint.get("hyper_parameters", {}).get("config", {})
+    writer = f"flavor {config.get('name')!r} (model.arch={config.get('model', {}).get('arch')!r})"
+    this = f"flavor {module.cfg.name!r} (model.arch={module.cfg.model.arch!r})"
+    problems = [f"{name} is missing" for name in own if name not in saved]
+    problems += [f"{name} is not in this model" for name in saved if name not in own]
+    problems += [
+        f"{name} has shape {list(saved[name].shape)}, this model {list(tensor.shape)}"
+        for name, tensor in own.items()
+        if name in saved and tuple(saved[name].shape) != tuple(tensor.shape)
+    ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ResumeError(f"it was written by {writer}, this run is {this}: {problems[0]}{more}")
 
 
 def adopt_automatic_step_count(checkpoint: dict[str, Any]) -> None:
@@ -230,18 +254,37 @@ def adopt_automatic_step_count(checkpoint: dict[str, Any]) -> None:
         loops["epoch_loop.manual_optimization.optim_step_progress"] = copy.deepcopy(automatic)
 
 
-def load_module(ckpt_path: str | Path) -> RecModule:
-    """The :class:`RecModule` of a ``gem train`` checkpoint, in eval mode."""
-    ckpt = read_training_checkpoint(ckpt_path)
+def module_from_checkpoint(ckpt: TrainingCheckpoint) -> RecModule:
+    """The :class:`RecModule` of a read ``gem train`` checkpoint, in eval mode."""
     module = RecModule(ckpt.config, dataclasses.asdict(ckpt.schema), from_checkpoint=True)
     module.model.load_state_dict(ckpt.state)
     return module.eval()
 
 
+def load_module(ckpt_path: str | Path) -> RecModule:
+    """The :class:`RecModule` of a ``gem train`` checkpoint, in eval mode."""
+    return module_from_checkpoint(read_training_checkpoint(ckpt_path))
+
+
+def _trained(module: RecModule, ckpt_path: str | Path) -> TrainedModel:
+    return TrainedModel(model=module.model, schema=module.schema, path=Path(ckpt_path), config=module.cfg.to_dict())
+
+
 def load_trained(ckpt_path: str | Path) -> TrainedModel:
     """A checkpoint's model with its run facts, as the transfer stages take it (teacher outputs, export)."""
-    module = load_module(ckpt_path)
-    return TrainedModel(model=module.model, schema=module.schema, path=Path(ckpt_path), config=module.cfg.to_dict())
+    return _trained(load_module(ckpt_path), ckpt_path)
+
+
+def load_teacher(ckpt_path: str | Path, *, purpose: str) -> TrainedModel:
+    """:func:`load_trained` for a stage that needs a teacher (``purpose`` names it in the error): a value
+    model's checkpoint raises :class:`ModelRoleError` before any model is built or anything written."""
+    ckpt = read_training_checkpoint(ckpt_path)
+    if ckpt.arch not in TEACHER_ARCHS:
+        raise ModelRoleError(
+            f"{ckpt_path}: model.arch={ckpt.arch!r} is a value model, not a teacher; {purpose} needs a teacher "
+            f"checkpoint (model.arch one of {list(TEACHER_ARCHS)})"
+        )
+    return _trained(module_from_checkpoint(ckpt), ckpt_path)
 
 
 def rank_batch(model: torch.nn.Module, batch: JaggedBatch, ranking: RankingMetrics, valid_items: torch.Tensor | None) -> None:

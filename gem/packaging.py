@@ -1,21 +1,33 @@
-"""MLflow packaging of a value model: a ``mlflow.pyfunc`` model bundling the student, its store and its budget.
+"""MLflow packaging of a value model: a models-from-code ``mlflow.pyfunc`` bundling the student, its store
+and its budget, loaded without unpickling anything.
 
 :func:`register_value_model` checks the model before it is registered: every serving form in ``forms``
 must match eager within tolerance, the fastest one is chosen, and its p99 at the budget's candidate count
 on one CPU thread must be within the budget, else :class:`value_models.serving.BudgetError` refuses it.
 The packaged model holds:
 
-- ``student``: the student's training checkpoint (loaded with ``weights_only``);
+- the model code, ``value_model_code.py`` (:mod:`gem.value_model_code`), which MLflow runs to build the
+  :class:`GemValueModel` (models from code: no ``python_model.pkl``);
+- ``student/``: the student's tensors as ``student.safetensors`` and its run config and schema as
+  ``student.json`` (:func:`value_models.serving.save_student_files`); their sha256 are recorded in
+  ``serving.json`` and checked before they are read;
 - ``store``: a copy of the one store version when its files total at most ``bundle_store_max_bytes``,
   otherwise nothing (the model then points at the store directory and version named in ``serving.json``);
-- ``serving.json``: the budget, staleness limits, chosen form and the store pointer (path, version, teacher
-  checkpoint sha256), so lineage runs from the served model back to the teacher.
+  the store's manifest checksums are verified when it is opened. Its arrays load with
+  ``allow_pickle=False``, its index with FAISS;
+- ``serving.json``: the budget, staleness limits, chosen form, the student files' sha256 and the store
+  pointer (path, version, teacher checkpoint sha256), so lineage runs from the served model back to the teacher.
+
+Whoever can write the artifact store can still change the code file, as with any installed code; what
+no longer happens is a pickle, which would run code while the weights are merely being read.
 
 REST requests (``mlflow models serve``): ``{"dataframe_records": [{"user_id": 3, "candidate_ids": [1, 2],
 "domain": 0}]}``, optional fields ``dense`` and ``now`` (:data:`value_models.serving.CONTEXT_FIELDS`), or the
 same fields as one object under ``"inputs"``. Each answer is ``{"version", "scores": {task: [N]},
-"fallbacks", "stale_store"}``. A bad request raises ``MlflowException(INVALID_PARAMETER_VALUE)`` (HTTP 400)
-naming the request and field.
+"fallbacks", "stale_store"}``. A bad request (a wrong type, a ragged list, an id past int64, a body nested
+deeper than :data:`gem.rest_guard.MAX_DEPTH`, invalid JSON) gets ``MlflowException(INVALID_PARAMETER_VALUE)``,
+HTTP 400, with one line naming the request and field: the model checks each body before MLflow parses it
+(:mod:`gem.rest_guard`) and again in ``predict``.
 """
 
 from __future__ import annotations
@@ -28,10 +40,13 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import safetensors
 import torch
 from mlflow.exceptions import MlflowException
 
 from foundation.data.io import atomic_write_text, sha256_file
+from foundation.messages import shown
+from gem.rest_guard import install_request_guard
 from transfer.store import LATEST_FILE, open_store, version_name
 from value_models.serving import (
     CONTEXT_FIELDS,
@@ -44,12 +59,15 @@ from value_models.serving import (
     check_equivalence,
     example_inputs,
     load_student,
+    load_student_files,
     measure_latency,
+    save_student_files,
 )
 
 REQUEST_FIELDS = ("user_id", "candidate_ids", *CONTEXT_FIELDS)
 BUNDLE_STORE_MAX_BYTES = 64 << 20
 SERVING_FILE = "serving.json"
+MODEL_CODE = Path(__file__).with_name("value_model_code.py")
 
 
 def _absent(value) -> bool:
@@ -73,15 +91,33 @@ def requests_from_input(model_input) -> list[dict]:
     for i, record in enumerate(records):
         fields = {k: v for k, v in record.items() if not _absent(v)}
         if unknown := sorted(set(fields) - set(REQUEST_FIELDS)):
-            raise ScoringError(f"request {i}: unknown fields {unknown}; allowed: {list(REQUEST_FIELDS)}")
+            raise ScoringError(f"request {i}: unknown fields {shown(unknown)}; allowed: {list(REQUEST_FIELDS)}")
         if missing := [k for k in ("user_id", "candidate_ids", "domain") if k not in fields]:
             raise ScoringError(f"request {i}: missing fields {missing}")
         out.append(fields)
     return out
 
 
+def records_of_payload(payload) -> list | None:
+    """The request records of a parsed REST body (``dataframe_records``, ``dataframe_split``, ``inputs`` or
+    ``instances``); None for a body in no format this model reads (MLflow's parser then answers)."""
+    if not isinstance(payload, dict):
+        return None
+    if isinstance(records := payload.get("dataframe_records"), list):
+        return records
+    split = payload.get("dataframe_split")
+    if isinstance(split, dict) and isinstance(split.get("columns"), list) and isinstance(split.get("data"), list):
+        return [dict(zip(split["columns"], row, strict=False)) if isinstance(row, list) else row for row in split["data"]]
+    for key in ("inputs", "instances"):
+        if isinstance(value := payload.get(key), dict):
+            return [value]
+        if isinstance(value, list):
+            return value
+    return None
+
+
 class GemValueModel(mlflow.pyfunc.PythonModel):
-    """The pyfunc wrapper: loads a :class:`Scorer` from the artifacts, scores request records."""
+    """The pyfunc: loads a :class:`Scorer` from the artifacts (no pickle), checks and scores request records."""
 
     def load_context(self, context) -> None:
         spec = json.loads(Path(context.artifacts[SERVING_FILE]).read_text())
@@ -97,9 +133,25 @@ class GemValueModel(mlflow.pyfunc.PythonModel):
         torch.set_num_threads(1)
         store = context.artifacts["store"] if bundled else spec["store"]["path"]
         version = None if cfg.follow_latest else spec["store"]["version"]
-        self.scorer = Scorer(
-            load_student(context.artifacts["student"]), store, cfg, version=version, model_name=spec["name"]
+        student = load_student_files(
+            context.artifacts["student"],
+            weights_sha256=spec["student"]["weights_sha256"],
+            config_sha256=spec["student"]["config_sha256"],
         )
+        self.scorer = Scorer(student, store, cfg, version=version, model_name=spec["name"])
+        install_request_guard(self.check_payload)
+
+    def check_payload(self, payload) -> None:
+        """Validate a parsed REST body's requests before MLflow converts them (:mod:`gem.rest_guard`);
+        raises :class:`ScoringError` naming the request and field."""
+        records = records_of_payload(payload)
+        if records is None:
+            return
+        for i, req in enumerate(requests_from_input(records)):
+            try:
+                self.scorer.validate(req["user_id"], req["candidate_ids"], {k: req[k] for k in CONTEXT_FIELDS if k in req})
+            except ScoringError as exc:
+                raise ScoringError(f"request {i}: {exc}") from None
 
     def predict(self, context, model_input, params=None) -> list[dict]:
         try:
@@ -190,8 +242,9 @@ def register_value_model(
         mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(experiment)
     with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_name=f"package-{name}") as run:
+        spec["student"] = save_student_files(student_ckpt, Path(tmp) / "student")
         artifacts = {
-            "student": str(student_ckpt),
+            "student": str(Path(tmp) / "student"),
             SERVING_FILE: str(atomic_write_text(Path(tmp) / SERVING_FILE, json.dumps(spec, indent=2))),
         }
         if bundled:
@@ -201,6 +254,7 @@ def register_value_model(
                 "gem.stage": "package",
                 "gem.export_version": str(scorer.version),
                 "gem.student_sha256": sha256_file(student_ckpt),
+                "gem.student_weights_sha256": spec["student"]["weights_sha256"],
                 "gem.checkpoint_sha256": spec["store"]["teacher_checkpoint_sha256"],
                 "gem.teacher_run_id": store.manifest["teacher"]["mlflow_run_id"] or "",
             }
@@ -217,10 +271,14 @@ def register_value_model(
         mlflow.log_dict(choice, "forms.json")
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=GemValueModel(),
+            python_model=str(MODEL_CODE),
             artifacts=artifacts,
             registered_model_name=name,
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
+            pip_requirements=[
+                f"torch=={torch.__version__.split('+')[0]}",
+                f"mlflow=={mlflow.__version__}",
+                f"safetensors=={safetensors.__version__}",
+            ],
         )
     client = mlflow.MlflowClient()
     version = info.registered_model_version

@@ -37,6 +37,8 @@ ARCHS: dict[str, Arch] = {
     "student": Arch(lambda cfg, schema: StudentRanker(cfg.student, schema), STUDENT_ITEM_TABLE),
 }
 ITEM_TABLES: dict[str, str] = {name: arch.item_table for name, arch in ARCHS.items()}
+# Archs whose outputs and user/item vectors may be taught and exported; the student is a value model.
+TEACHER_ARCHS: tuple[str, ...] = ("dlrm", "teacher")
 
 
 def build_model(cfg: ModelConfig, schema: EventSchema) -> nn.Module:

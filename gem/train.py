@@ -28,11 +28,13 @@ from lightning.pytorch.utilities import rank_zero_only
 from foundation.checkpoint import load_checkpoint_file
 from foundation.config import ConfigError
 from foundation.data.io import CorruptFileError, atomic_path, sha256_file
-from foundation.data.schema import TASKS
+from foundation.data.pipeline import count_rows
+from foundation.data.schema import TASKS, SchemaError
 from foundation.data.validate import DataValidationError
 from gem.callbacks import GemProgressBar, RecordAndCheckpoint
 from gem.config import ExperimentConfig
 from gem.datamodule import EventDataModule
+from gem.errors import ResumeError, TrainingError
 from gem.logs import route_library_loggers
 from gem.module import RecModule
 from gem.run_dir import check_same_run, record_config, remove_stale_temps, train_lock
@@ -50,7 +52,10 @@ from transfer.teacher_outputs import MANIFEST_FILE, TeacherOutputsError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # Errors that mean the input (config, dataset, teacher outputs) is bad, not the code: the run is refused.
-REJECTIONS = (ConfigError, DataValidationError, CorruptFileError, FileNotFoundError, SharingError, TeacherOutputsError)
+REJECTIONS = (
+    ConfigError, DataValidationError, CorruptFileError, SchemaError, FileNotFoundError, SharingError,
+    TeacherOutputsError, TrainingError, ResumeError,
+)
 PARAMS_LOGGED_TAG = "gem.params_logged"
 PLOTTED_METRICS = ("train/loss", "val/loss", *(f"val/{task}/ne" for task in TASKS), "val/hr10", "val/ndcg10")
 
@@ -132,6 +137,18 @@ class RecorderLogger(MLFlowLogger):
         self.recorder.log({k: v for k, v in metrics.items() if k != "epoch"}, step or 0)
 
 
+def check_trained(trainer: L.Trainer, cfg: ExperimentConfig) -> None:
+    """Refuse a fit that took no optimiser step: its checkpoint would be an untrained model."""
+    if trainer.global_step > 0:
+        return
+    rows = count_rows(cfg.data.path, cfg.data.train_split)
+    raise TrainingError(
+        f"{Path(cfg.data.path) / cfg.data.train_split}: training ran 0 steps: the split has {rows} rows, "
+        f"{quarantine_count(cfg.data.path)} quarantined in total (data.policy={cfg.data.policy}, see "
+        f"{Path(cfg.data.path) / 'quarantine'}); no checkpoint was written"
+    )
+
+
 def quarantine_count(dataset_dir: str | Path) -> int:
     import pyarrow.parquet as pq
 
@@ -205,7 +222,14 @@ def fit(cfg: ExperimentConfig, module: RecModule, datamodule: EventDataModule, l
     if recorder is not None:
         logger = RecorderLogger(recorder, experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run_id)
     trainer = build_trainer(cfg, logger, recorder)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
+    except ResumeError as exc:
+        raise ResumeError(
+            f"{last}: cannot resume this run: {exc}; train under another train.out_dir or name, or pass "
+            "--no-resume to start over (it replaces that checkpoint)"
+        ) from None
+    check_trained(trainer, cfg)
     trainer.save_checkpoint(last, weights_only=False)
     if cfg.parallel.enabled:
         trainer.strategy.export_single_file_checkpoint(last)
@@ -252,6 +276,7 @@ def train(
     out = run_dir(cfg)
     check_same_run(out, cfg.to_dict(), resume=resume)
     datamodule = EventDataModule(cfg.data)
+    datamodule.verify_shards()
     module = RecModule(cfg.to_dict(), json.loads(datamodule.schema.to_json()))
     last = out / "checkpoints" / "last.ckpt"
     resuming = resume and last.is_file()

@@ -15,7 +15,7 @@ from foundation.model.teacher import build_teacher
 from foundation.model.teacher_config import TeacherConfig
 from foundation.parallel.balance import take_rows
 from gem.flavors import teacher_flavor
-from kernels.pytorch.jagged_attention import jagged_attention as reference_attention
+from kernels import jagged_attention
 from tests.teacher_batches import CTR_SCHEMA, NEXT_ITEM_SCHEMA, make_batch, tiny_config
 from tests.test_teacher import (
     _successor_world,
@@ -183,7 +183,7 @@ def test_event_query_time_is_the_old_bias():
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("query_timestamps"))
-        return reference_attention(*args, **{k: v for k, v in kwargs.items() if k != "backend"})
+        return jagged_attention(*args, **{**kwargs, "backend": "pytorch"})
 
     batch = make_batch(NEXT_ITEM_SCHEMA, LENGTHS)
     with pytest.MonkeyPatch.context() as patch:

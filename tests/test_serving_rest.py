@@ -18,11 +18,20 @@ import mlflow
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
-from gem.packaging import register_value_model
+from foundation.data.io import sha256_file
+from gem.packaging import SERVING_FILE, register_value_model
 from tests.test_serving import build_world
 from transfer.store import open_store
-from value_models.serving import LatencyBudget, Scorer, ServingConfig, load_student
+from value_models.serving import (
+    STUDENT_CONFIG,
+    STUDENT_WEIGHTS,
+    LatencyBudget,
+    Scorer,
+    ServingConfig,
+    load_student,
+)
 
 NAME, ALIAS = "gem-student", "champion"
 MAX_CANDIDATES = 32
@@ -36,9 +45,14 @@ def free_port() -> int:
 
 def post(port: int, payload, timeout: float = 30.0) -> tuple[int, dict]:
     """POST ``payload`` as JSON to ``/invocations``: ``(status, parsed body)``."""
+    return post_body(port, json.dumps(payload).encode(), timeout)
+
+
+def post_body(port: int, body: bytes, timeout: float = 30.0) -> tuple[int, dict]:
+    """POST the raw bytes ``body`` as ``application/json`` to ``/invocations``: ``(status, parsed body)``."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/invocations",
-        data=json.dumps(payload).encode(),
+        data=body,
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -80,8 +94,10 @@ def served(tmp_path_factory):
     )
     port = free_port()
     # ``models serve`` execs ``uvicorn`` by name: the venv's bin must be on PATH, as in an activated venv.
+    # Pickle deserialisation is switched off: the packaged model must load without it.
     env = {
         **os.environ,
+        "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false",
         "MLFLOW_TRACKING_URI": world["uri"],
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -250,3 +266,79 @@ def test_bundled_store_holds_one_version_and_a_large_store_is_a_pointer(served):
     (answer,) = model.predict(pd.DataFrame([{"user_id": user, "candidate_ids": [1, 2, 3], "domain": 2}]))
     want = Scorer(load_student(world["repr_student"]), world["store"]).score(user, [1, 2, 3], {"domain": 2})
     assert answer["version"] == 1 and np.allclose(answer["scores"]["click"], want.scores["click"], rtol=1e-5)
+
+
+GOOD = {"user_id": 1, "candidate_ids": [1, 2], "domain": 0}
+DEEP = 100_000
+BAD_BODIES = {
+    "100,000-deep JSON in a field": (
+        b'{"dataframe_records": [{"user_id": 1, "domain": 0, "candidate_ids": ' + b"[" * DEEP + b"1" + b"]" * DEEP + b"}]}",
+        r"nests deeper than 32 levels \(under dataframe_records\[0\]\.candidate_ids\[0\]",
+    ),
+    "100,000-deep JSON at the top": (b"[" * DEEP + b"]" * DEEP, "nests deeper than 32 levels"),
+    "user_id 10**30 in a record": (
+        json.dumps({"dataframe_records": [{**GOOD, "user_id": 10**30}]}).encode(),
+        r"request 0: user_id must be a non-negative integer below 2\*\*63, got 10{30}",
+    ),
+    "user_id 10**30 in inputs": (
+        json.dumps({"inputs": {**GOOD, "user_id": 10**30}}).encode(),
+        r"request 0: user_id must be a non-negative integer below 2\*\*63",
+    ),
+    "ragged candidate_ids in a record": (
+        json.dumps({"dataframe_records": [GOOD, {**GOOD, "candidate_ids": [[1, 2], [3]]}]}).encode(),
+        "request 1: candidate_ids must be a flat list of integers, got ragged nested lists",
+    ),
+    "ragged candidate_ids in inputs": (
+        json.dumps({"inputs": {**GOOD, "candidate_ids": [[1, 2], [3]]}}).encode(),
+        "request 0: candidate_ids must be a flat list of integers, got ragged nested lists",
+    ),
+    "ragged dense in a record": (
+        json.dumps({"dataframe_records": [{**GOOD, "dense": [[0.5], [0.1, 0.2]]}]}).encode(),
+        r"request 0: context.dense must be \[\d+\] or \[2, \d+\] numbers, got ragged nested lists",
+    ),
+    "ragged dense in inputs": (
+        json.dumps({"inputs": {**GOOD, "dense": [[0.5], [0.1, 0.2]]}}).encode(),
+        r"request 0: context.dense must be .* got ragged nested lists",
+    ),
+    "candidate id past int64": (
+        json.dumps({"dataframe_records": [{**GOOD, "candidate_ids": [1, 10**30]}]}).encode(),
+        r"request 0: candidate_ids\[1\] = 10{30} does not fit in int64",
+    ),
+    "10 MB of invalid JSON": (b'{"dataframe_records": [' + b"x" * 10_000_000, "request body is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES))
+def test_hostile_bodies_get_a_400_naming_the_field_and_the_server_keeps_serving(served, case):
+    port, _, _ = served
+    body, match = BAD_BODIES[case]
+    status, answer = post_body(port, body, timeout=120)
+    assert status == 400, answer
+    message = answer["message"]
+    assert answer["error_code"] == "INVALID_PARAMETER_VALUE" and re.search(match, message), message
+    assert len(message) <= 500 and "\n" not in message
+    assert post(port, {"dataframe_records": [GOOD]})[0] == 200
+
+
+def test_the_packaged_model_is_code_safetensors_and_json_with_no_pickle(served, tmp_path):
+    _, world, _ = served
+    model_dir = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}@{ALIAS}", dst_path=str(tmp_path / "m")))
+    pyfunc = yaml.safe_load((model_dir / "MLmodel").read_text())["flavors"]["python_function"]
+    assert pyfunc["model_code_path"].endswith("value_model_code.py") and "python_model" not in pyfunc
+    assert not list(model_dir.rglob("*.pkl")) and not list(model_dir.rglob("*.ckpt"))
+    student = model_dir / "artifacts" / "student"
+    assert sorted(p.name for p in student.iterdir()) == sorted([STUDENT_WEIGHTS, STUDENT_CONFIG])
+    spec = json.loads((model_dir / "artifacts" / SERVING_FILE).read_text())
+    assert spec["student"]["weights_sha256"] == sha256_file(student / STUDENT_WEIGHTS)
+
+    model = mlflow.pyfunc.load_model(str(model_dir))
+    user = int(open_store(world["store"]).arrays["user_ids"][0])
+    (answer,) = model.predict(pd.DataFrame([{"user_id": user, "candidate_ids": [1, 2, 3], "domain": 2}]))
+    want = Scorer(load_student(world["repr_student"]), world["store"]).score(user, [1, 2, 3], {"domain": 2})
+    np.testing.assert_allclose(answer["scores"]["click"], want.scores["click"], rtol=1e-5)
+
+    weights = bytearray((student / STUDENT_WEIGHTS).read_bytes())
+    weights[-5] ^= 0x10  # one flipped bit in a tensor
+    (student / STUDENT_WEIGHTS).write_bytes(bytes(weights))
+    with pytest.raises(Exception, match=f"{student / STUDENT_WEIGHTS}: sha256 .* does not match the recorded"):
+        mlflow.pyfunc.load_model(str(model_dir))

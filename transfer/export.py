@@ -316,8 +316,31 @@ def _write_version(
     """Write a version's arrays, its item index (``with_index``) and manifest into a temp dir, then publish it.
 
     ``manifest`` gains ``index`` and ``files``. On an error the temp dir is removed; on a kill it stays
-    hidden until the next export removes it.
+    hidden until the next export removes it. A failed write (``OSError``: full disk, quota, permissions)
+    raises :class:`StoreError` naming the store, the version and the file; ``LATEST`` is left as it was.
     """
+    version = manifest["version"]
+    try:
+        return _write_and_publish(root, sides, features, manifest, with_index=with_index, index_factory=index_factory)
+    except OSError as exc:  # a full disk, a quota, a read-only store: nothing half-written is published
+        where = f" ({Path(exc.filename).name})" if exc.filename else ""
+        reason = exc.strerror or str(exc)
+        latest = latest_version(root)
+        raise StoreError(
+            f"{root}: could not write version {version_name(version)}{where}: {reason}; "
+            + (f"{LATEST_FILE} still names {version_name(latest)}" if latest is not None else "nothing was published")
+        ) from exc
+
+
+def _write_and_publish(
+    root: Path,
+    sides: dict[str, dict[str, np.ndarray]],
+    features: dict[str, np.ndarray],
+    manifest: dict,
+    *,
+    with_index: bool,
+    index_factory: str | None,
+) -> Path:
     version = manifest["version"]
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version_name(version)}-", dir=root))
     try:

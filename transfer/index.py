@@ -150,7 +150,9 @@ def save_index(item_index: ItemIndex, directory: str | Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / INDEX_FILE
     with atomic_path(path) as tmp:
-        faiss.write_index(item_index.index, str(tmp))
+        # Serialised in memory and written by Python: faiss.write_index can leave a short file behind an
+        # unchecked fclose on a full disk, which the manifest would then checksum as if it were whole.
+        tmp.write_bytes(faiss.serialize_index(item_index.index).tobytes())
     meta = atomic_write_text(directory / INDEX_META_FILE, json.dumps(asdict(item_index.meta), indent=2, sort_keys=True))
     return [path, meta]
 

@@ -40,6 +40,7 @@ from one whole version, which it names.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,12 +49,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from foundation.checkpoint import read_training_checkpoint
 from foundation.config import dataclass_from_dict
+from foundation.data.io import CorruptFileError, atomic_path, atomic_write_text, sha256_file
 from foundation.data.pipeline import gather_jagged
-from foundation.data.schema import TASKS
+from foundation.data.schema import TASKS, EventSchema
+from foundation.messages import shown
 from transfer.distill import AuxiliaryHeads
 from transfer.sharing import restore_shared_layout, sharing_config
 from transfer.store import EmbeddingStore, StoreError, latest_version, open_store
@@ -62,6 +66,9 @@ from value_models.student import ITEM_TABLE, StudentConfig, StudentRanker
 CONTEXT_FIELDS = ("domain", "dense", "now")
 FORMS = ("eager", "inference_mode", "torchscript", "compile")
 FALLBACKS = ("unknown_users", "unknown_items", "stale_users", "stale_store")
+INT64_MAX = 2**63 - 1
+STUDENT_WEIGHTS = "student.safetensors"
+STUDENT_CONFIG = "student.json"
 
 
 class ScoringError(ValueError):
@@ -249,17 +256,48 @@ def _is_int(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
+def _candidate_array(candidate_ids) -> np.ndarray:
+    """``candidate_ids`` as a flat ``[N]`` integer array, or :class:`ScoringError` naming what is wrong with it."""
+    try:
+        ids = np.asarray(candidate_ids)
+    except (ValueError, TypeError):
+        raise ScoringError("candidate_ids must be a flat list of integers, got ragged nested lists") from None
+    if ids.ndim != 1 or not len(ids):
+        raise ScoringError(f"candidate_ids must be a non-empty list of integers, got shape {list(ids.shape)}")
+    if ids.dtype.kind not in "iu":  # strings, floats, or Python ints past int64: name the first bad one
+        sent = candidate_ids.tolist() if isinstance(candidate_ids, np.ndarray) else list(candidate_ids)
+        for i, value in enumerate(sent):
+            if not _is_int(value):
+                raise ScoringError(f"candidate_ids must be integers, got candidate_ids[{i}] = {shown(value)}")
+            if not 0 <= value <= INT64_MAX:
+                raise ScoringError(f"candidate_ids[{i}] = {shown(value)} does not fit in int64")
+    return ids
+
+
+def _dense_array(dense, num_candidates: int, dense_dim: int) -> np.ndarray:
+    """``context["dense"]`` as float32 ``[1 or N, D]``, or :class:`ScoringError` naming what is wrong with it."""
+    expected = f"context.dense must be [{dense_dim}] or [{num_candidates}, {dense_dim}] numbers"
+    try:
+        array = np.asarray(dense)
+    except (ValueError, TypeError):
+        raise ScoringError(f"{expected}, got ragged nested lists") from None
+    if array.dtype.kind not in "iuf" or array.shape not in ((dense_dim,), (num_candidates, dense_dim)):
+        raise ScoringError(f"{expected}, got {array.dtype} {list(array.shape)}")
+    if not np.isfinite(array).all():
+        raise ScoringError("context.dense has NaN or infinite values")
+    return array.astype(np.float32).reshape(-1, dense_dim)
+
+
 def validate_request(
     user_id, candidate_ids, context, *, num_items: int, num_domains: int, dense_dim: int, max_candidates: int
 ) -> tuple[int, np.ndarray, dict]:
-    """Check a request's types and ranges; returns ``(user_id, candidates[N] int64, context)`` or raises."""
-    if not _is_int(user_id) or user_id < 0:
-        raise ScoringError(f"user_id must be a non-negative integer, got {user_id!r}")
-    ids = np.asarray(candidate_ids)
-    if ids.ndim != 1 or not len(ids):
-        raise ScoringError(f"candidate_ids must be a non-empty list of integers, got shape {list(ids.shape)}")
-    if ids.dtype.kind not in "iu":
-        raise ScoringError(f"candidate_ids must be integers, got {ids.dtype} values such as {ids[0]!r}")
+    """Check a request's types and ranges; returns ``(user_id, candidates[N] int64, context)`` or raises.
+
+    Every message names the field and quotes at most a short prefix of the value sent.
+    """
+    if not _is_int(user_id) or not 0 <= user_id <= INT64_MAX:
+        raise ScoringError(f"user_id must be a non-negative integer below 2**63, got {shown(user_id)}")
+    ids = _candidate_array(candidate_ids)
     if len(ids) > max_candidates:
         raise ScoringError(
             f"too many candidates: {len(ids)} > the model's budget of {max_candidates} per request"
@@ -272,22 +310,14 @@ def validate_request(
     if not isinstance(context, dict):
         raise ScoringError(f"context must be an object, got {type(context).__name__}")
     if unknown := sorted(set(context) - set(CONTEXT_FIELDS)):
-        raise ScoringError(f"unknown context fields {unknown}; allowed: {list(CONTEXT_FIELDS)}")
+        raise ScoringError(f"unknown context fields {shown(unknown)}; allowed: {list(CONTEXT_FIELDS)}")
     domain = context.get("domain")
     if not _is_int(domain) or not 0 <= domain < num_domains:
-        raise ScoringError(f"context.domain must be an integer in [0, {num_domains}), got {domain!r}")
-    if "now" in context and not _is_int(context["now"]):
-        raise ScoringError(f"context.now must be an integer timestamp, got {context['now']!r}")
+        raise ScoringError(f"context.domain must be an integer in [0, {num_domains}), got {shown(domain)}")
+    if "now" in context and not (_is_int(context["now"]) and abs(context["now"]) <= INT64_MAX):
+        raise ScoringError(f"context.now must be an int64 timestamp, got {shown(context['now'])}")
     if "dense" in context:
-        dense = np.asarray(context["dense"])
-        if dense.dtype.kind not in "iuf" or dense.shape not in ((dense_dim,), (len(ids), dense_dim)):
-            raise ScoringError(
-                f"context.dense must be [{dense_dim}] or [{len(ids)}, {dense_dim}] numbers, got "
-                f"{dense.dtype} {list(dense.shape)}"
-            )
-        if not np.isfinite(dense).all():
-            raise ScoringError("context.dense has NaN or infinite values")
-        context = {**context, "dense": dense.astype(np.float32).reshape(-1, dense_dim)}
+        context = {**context, "dense": _dense_array(context["dense"], len(ids), dense_dim)}
     return int(user_id), ids.astype(np.int64), context
 
 
@@ -453,11 +483,9 @@ class Scorer:
             item_repr[torch.from_numpy(~found)] = snap.mean_item_repr
         return user_repr, item_repr
 
-    def score(self, user_id, candidate_ids, context: dict | None = None) -> ScoreResult:
-        """Scores per task (``[N]`` probabilities) for ``candidate_ids`` shown to ``user_id`` in ``context``."""
-        self._maybe_refresh()
-        snap = self._snapshot  # read once: the whole request uses this version
-        user_id, candidates, context = validate_request(
+    def validate(self, user_id, candidate_ids, context: dict | None = None) -> tuple[int, np.ndarray, dict]:
+        """:func:`validate_request` against this model's vocabulary, domains, dense width and budget."""
+        return validate_request(
             user_id,
             candidate_ids,
             context,
@@ -466,6 +494,12 @@ class Scorer:
             dense_dim=self.schema.dense_dim,
             max_candidates=self.cfg.budget.max_candidates,
         )
+
+    def score(self, user_id, candidate_ids, context: dict | None = None) -> ScoreResult:
+        """Scores per task (``[N]`` probabilities) for ``candidate_ids`` shown to ``user_id`` in ``context``."""
+        self._maybe_refresh()
+        snap = self._snapshot  # read once: the whole request uses this version
+        user_id, candidates, context = self.validate(user_id, candidate_ids, context)
         inputs, counts = self.build_inputs(snap, user_id, candidates, context)
         logits = self.runner(*inputs)
         probs = torch.sigmoid(logits).detach().numpy()
@@ -504,21 +538,61 @@ def check_compatible(student: StudentRanker, store: EmbeddingStore) -> None:
             )
 
 
+def build_student(config: dict, schema: EventSchema, state: dict[str, torch.Tensor]) -> StudentRanker:
+    """The :class:`StudentRanker` that ``config`` (a run's experiment config dict) describes, holding ``state``.
+
+    A student that shares teacher tables gets its shared layout back from its config
+    (:func:`transfer.sharing.restore_shared_layout`); the teacher itself is not needed.
+    """
+    student = StudentRanker(dataclass_from_dict(StudentConfig, config["model"]["student"]), schema)
+    transfer = config.get("transfer", {})
+    if transfer.get("share_from"):
+        restore_shared_layout(student, transfer["shared_dims"], sharing_config(transfer))
+    student.load_state_dict(state)
+    return student.eval()
+
+
 def load_student(ckpt_path: str | Path) -> StudentRanker:
     """The :class:`StudentRanker` of a ``gem train`` checkpoint (``model.arch=student``), in eval mode.
 
-    Read without the training harness: a student that shares teacher tables gets its shared layout back
-    from the config it was trained with (:func:`transfer.sharing.restore_shared_layout`).
+    Read without the training harness (``weights_only``), see :func:`build_student`.
     """
     ckpt = read_training_checkpoint(ckpt_path)
     if ckpt.arch != "student":
         raise BudgetError(f"{ckpt_path}: model.arch={ckpt.arch!r} is not a student value model")
-    student = StudentRanker(dataclass_from_dict(StudentConfig, ckpt.config["model"]["student"]), ckpt.schema)
-    transfer = ckpt.config.get("transfer", {})
-    if transfer.get("share_from"):
-        restore_shared_layout(student, transfer["shared_dims"], sharing_config(transfer))
-    student.load_state_dict(ckpt.state)
-    return student.eval()
+    return build_student(ckpt.config, ckpt.schema, ckpt.state)
+
+
+def save_student_files(ckpt_path: str | Path, directory: str | Path) -> dict[str, str]:
+    """Write a student checkpoint as files that load without unpickling: ``student.safetensors`` (its tensors)
+    and ``student.json`` (``{"config", "schema"}``). Returns ``{"weights_sha256", "config_sha256"}``."""
+    ckpt = read_training_checkpoint(ckpt_path)
+    if ckpt.arch != "student":
+        raise BudgetError(f"{ckpt_path}: model.arch={ckpt.arch!r} is not a student value model")
+    directory = Path(directory)
+    with atomic_path(directory / STUDENT_WEIGHTS) as tmp:
+        # Cloned: safetensors refuses tensors that share storage (a shared table is saved once per name).
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in ckpt.state.items()}, str(tmp))
+    config = {"config": ckpt.config, "schema": asdict(ckpt.schema)}
+    atomic_write_text(directory / STUDENT_CONFIG, json.dumps(config, indent=2, sort_keys=True))
+    return {"weights_sha256": sha256_file(directory / STUDENT_WEIGHTS), "config_sha256": sha256_file(directory / STUDENT_CONFIG)}
+
+
+def load_student_files(directory: str | Path, *, weights_sha256: str, config_sha256: str) -> StudentRanker:
+    """The student :func:`save_student_files` wrote, each file checked against its recorded sha256 first.
+
+    Raises :class:`foundation.data.io.CorruptFileError` naming a file that is missing or does not match.
+    """
+    directory = Path(directory)
+    for name, expected in ((STUDENT_WEIGHTS, weights_sha256), (STUDENT_CONFIG, config_sha256)):
+        path = directory / name
+        actual = sha256_file(path) if path.is_file() else "missing"
+        if actual != expected:
+            raise CorruptFileError(
+                f"{path}: sha256 {actual[:12]}… does not match the recorded {expected[:12]}…; refusing to load the value model"
+            )
+    spec = json.loads((directory / STUDENT_CONFIG).read_text())
+    return build_student(spec["config"], EventSchema(**spec["schema"]), load_file(str(directory / STUDENT_WEIGHTS)))
 
 
 # -- forms, equivalence and latency ---------------------------------------------------------------

@@ -97,6 +97,7 @@ import pyarrow as pa
 from foundation.data.io import POLICIES, atomic_write_text, fsync_dir, shard_path, write_table
 from foundation.data.schema import EventSchema
 from foundation.data.validate import DataValidationError
+from foundation.messages import clip, shown
 
 FORMATS = ("movielens-dat", "movielens-csv", "sasrec", "seq-tsv")
 TIMESTAMPED_FORMATS = ("movielens-dat", "movielens-csv")
@@ -145,14 +146,14 @@ def _read_lines(path: Path, f: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
 def _non_negative_int(token: bytes, name: str) -> int:
     token = token.strip()
     if token.isdigit():
-        value = int(token)
-        if value > _INT64_MAX:
-            raise _BadField(name, f"{token.decode()} does not fit in int64")
-        return value
+        # Digits are counted before int(): Python refuses to convert more than 4300 of them.
+        if len(token.lstrip(b"0")) > len(str(_INT64_MAX)) or int(token) > _INT64_MAX:
+            raise _BadField(name, f"{clip(token.decode())} does not fit in int64")
+        return int(token)
     if token[:1] == b"-" and token[1:].isdigit():
-        raise _BadField(name, f"negative value {token.decode()}")
-    shown = token.decode(errors="backslashreplace")
-    raise _BadField(name, f"not a non-negative integer: {shown!r}" if token else "empty value")
+        raise _BadField(name, f"negative value {clip(token.decode())}")
+    text = token.decode(errors="backslashreplace")
+    raise _BadField(name, f"not a non-negative integer: {shown(text)}" if token else "empty value")
 
 
 def _check_number(token: bytes, name: str) -> None:
@@ -161,7 +162,7 @@ def _check_number(token: bytes, name: str) -> None:
     except ValueError:
         finite = False
     if not finite:
-        raise _BadField(name, f"not a finite number: {token.decode(errors='backslashreplace')!r}")
+        raise _BadField(name, f"not a finite number: {shown(token.decode(errors='backslashreplace'))}")
 
 
 @dataclass
@@ -194,7 +195,9 @@ class _LineReader:
     def reject(self, number: int, line: bytes, bad: _BadField) -> None:
         text = line.decode(errors="backslashreplace")
         if self.policy == "error":
-            raise DataValidationError(f"{self.path}: line {number}: field {bad.field}: {bad.reason} (line: {text!r})")
+            raise DataValidationError(
+                f"{self.path}: line {number}: field {bad.field}: {bad.reason} (line: {shown(text)})"
+            )
         self.bad.append((number, bad.field, bad.reason, text))
 
 
@@ -215,7 +218,7 @@ def _parse_per_interaction(
         if got != MOVIELENS_CSV_HEADER:
             where = f"line {first[0]}" if first else "empty file"
             raise DataValidationError(
-                f"{path}: {where}: expected the header {','.join(MOVIELENS_CSV_HEADER)!r}, got {','.join(got)!r}"
+                f"{path}: {where}: expected the header {','.join(MOVIELENS_CSV_HEADER)!r}, got {shown(','.join(got))}"
             )
     for number, line in lines:
         fields = split_line(line)

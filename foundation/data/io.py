@@ -4,9 +4,17 @@ Layout of a dataset directory::
 
     schema.json
     train/part-00000.parquet ...
+    train/.part-00000.parquet.sha256 ... (the shard's sha256, ``sha256sum`` format; hidden, so that
+                                          pyarrow, pandas and Spark read a split directory as before)
     valid/...
     test/...
     quarantine/<split>-<shard>.parquet   (bad rows with a reason, under the quarantine policy)
+
+Checksums: every Parquet file written here carries CRC32 page checksums and a ``.sha256`` sidecar.
+A shard is opened only after its bytes match the sidecar (hashed once per process while its size and
+mtime are unchanged), and its pages are CRC-checked at every read, so a flipped bit is refused with
+the file named instead of read as different data. Shards written by another tool get sidecars from
+:func:`adopt_shards` (``gem data checksum``), which first reads every page.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,8 +33,10 @@ import pyarrow.parquet as pq
 
 from foundation.data.schema import EventSchema
 from foundation.data.validate import DataValidationError, find_bad_rows
+from foundation.messages import clip
 
 POLICIES = ("error", "quarantine")
+CHECKSUM_SUFFIX = ".sha256"
 
 
 def fsync_dir(path: Path) -> None:
@@ -74,10 +85,24 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def checksum_path(path: str | Path) -> Path:
+    """The sidecar of a Parquet file, ``.<name>.sha256``: dataset readers skip names that start with a dot."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{CHECKSUM_SUFFIX}")
+
+
+def write_checksum(path: str | Path) -> str:
+    """Hash ``path`` and write its sidecar atomically, in ``sha256sum`` format; returns the hex digest."""
+    digest = sha256_file(path)
+    atomic_write_text(checksum_path(path), f"{digest}  {Path(path).name}\n")
+    return digest
+
+
 def write_table(table: pa.Table, path: str | Path, *, row_group_size: int = 8192) -> Path:
-    """Atomically write one Parquet shard (see :func:`atomic_path`)."""
+    """Atomically write one Parquet shard with page CRCs (see :func:`atomic_path`), then its sidecar."""
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd", write_page_checksum=True)
+    write_checksum(path)
     return Path(path)
 
 
@@ -96,18 +121,93 @@ def list_shards(dataset_dir: str | Path, split: str) -> list[Path]:
 
 
 class CorruptFileError(ValueError):
-    """A Parquet file that cannot be read: truncated, not Parquet, or damaged."""
+    """A file that cannot be read: truncated, not Parquet, damaged, or not matching its checksum."""
 
 
-def open_shard(path: str | Path, schema: EventSchema) -> pq.ParquetFile:
-    """Open a shard and check its columns and types against ``schema``; raise naming what is wrong."""
-    path = Path(path)
+_verified: dict[Path, tuple[int, int, int]] = {}
+_verified_lock = threading.Lock()
+
+
+def _stat_key(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def verify_checksum(path: str | Path) -> None:
+    """Check ``path`` against its ``.sha256`` sidecar; raise :class:`CorruptFileError` naming it.
+
+    A file is hashed once per process while its size, mtime and inode stay the same (page CRCs guard
+    each later read).
+    """
+    path = Path(path).resolve()
+    key = _stat_key(path)
+    with _verified_lock:
+        if _verified.get(path) == key:
+            return
+    sidecar = checksum_path(path)
+    if not sidecar.is_file():
+        raise CorruptFileError(
+            f"{path}: no checksum ({sidecar.name} missing); write the dataset with `gem data`, or run "
+            f"`gem data checksum {path.parent.parent}` to adopt shards written by another tool"
+        )
+    recorded = sidecar.read_text().split(maxsplit=1)[0] if sidecar.stat().st_size else ""
+    actual = sha256_file(path)
+    if actual != recorded:
+        raise CorruptFileError(
+            f"{path}: checksum mismatch (sha256 {actual[:12]}…, {sidecar.name} says {recorded[:12]}…): "
+            "the file is corrupt, truncated or was modified"
+        )
+    with _verified_lock:
+        _verified[path] = key
+
+
+def open_parquet(path: str | Path) -> pq.ParquetFile:
+    """Open a Parquet file whose page CRCs are checked at every read; raise naming it if it is unreadable."""
     try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise CorruptFileError(f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}") from exc
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        pf.schema_arrow  # noqa: B018  (decodes the footer's names: a damaged one raises here, not later)
+        return pf
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: a name that is not UTF-8
+        raise CorruptFileError(f"{path}: not a readable Parquet file (truncated or corrupt?): {clip(str(exc))}") from None
+
+
+def open_shard(path: str | Path, schema: EventSchema, *, verify_sha256: bool = True) -> pq.ParquetFile:
+    """Open a shard after checking its sha256, and check its columns and types against ``schema``.
+
+    ``verify_sha256=False`` skips the sidecar (page CRCs are still checked at every read), for datasets too
+    large to hash at every start. Raises :class:`CorruptFileError` or :class:`DataValidationError` naming the
+    file and what is wrong.
+    """
+    path = Path(path)
+    if verify_sha256:
+        verify_checksum(path)
+    pf = open_parquet(path)
     check_columns(pf.schema_arrow, schema, where=str(path))
     return pf
+
+
+def adopt_shards(dataset_dir: str | Path) -> dict[str, int]:
+    """Give every shard of ``dataset_dir`` without a sidecar one, after reading all its pages (and CRCs).
+
+    For datasets written by another tool (or before shards had checksums). A shard that already has a
+    sidecar is verified against it, never rewritten. Returns ``{"adopted", "verified"}`` counts.
+    """
+    dataset_dir = Path(dataset_dir)
+    schema = EventSchema.load(dataset_dir)
+    counts = {"adopted": 0, "verified": 0}
+    for split_dir in sorted(p for p in dataset_dir.iterdir() if p.is_dir() and p.name != "quarantine"):
+        for shard in sorted(split_dir.glob("*.parquet")):
+            if checksum_path(shard).is_file():
+                verify_checksum(shard)
+                counts["verified"] += 1
+                continue
+            pf = open_parquet(shard)
+            check_columns(pf.schema_arrow, schema, where=str(shard))
+            for rg in range(pf.num_row_groups):
+                read_row_group(pf, rg, where=str(shard))
+            write_checksum(shard)
+            counts["adopted"] += 1
+    return counts
 
 
 def check_columns(actual: pa.Schema, schema: EventSchema, *, where: str) -> None:
@@ -125,8 +225,8 @@ def check_columns(actual: pa.Schema, schema: EventSchema, *, where: str) -> None
 def read_row_group(pf: pq.ParquetFile, index: int, *, where: str) -> pa.Table:
     try:
         return pf.read_row_group(index)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise CorruptFileError(f"{where}: row group {index} is unreadable (truncated or corrupt?): {exc}") from exc
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptFileError(f"{where}: row group {index} is unreadable (truncated or corrupt?): {clip(str(exc))}") from None
 
 
 @dataclass
@@ -149,6 +249,7 @@ def iter_valid_row_groups(
     policy: str = "error",
     quarantine: QuarantineLog | None = None,
     row_groups: list[int] | None = None,
+    verify_sha256: bool = True,
 ) -> Iterator[tuple[int, pa.Table]]:
     """Yield ``(row_group_index, table)`` for the shard's row groups with bad rows handled by ``policy``.
 
@@ -157,7 +258,7 @@ def iter_valid_row_groups(
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown bad-record policy {policy!r}; choose one of {POLICIES}")
-    pf = open_shard(shard, schema)
+    pf = open_shard(shard, schema, verify_sha256=verify_sha256)
     first_row = [0]
     for i in range(pf.num_row_groups):
         first_row.append(first_row[-1] + pf.metadata.row_group(i).num_rows)

@@ -34,7 +34,9 @@ class DataConfig:
     """Where a dataset lives and how it is batched.
 
     ``token_budget`` bounds the history tokens of a batch (0: only ``batch_size`` bounds it); it
-    must be at least ``max_len`` so that any single row fits.
+    must be at least ``max_len`` so that any single row fits. ``verify_sha256`` checks each shard against
+    its ``.sha256`` once per process before reading it (:func:`foundation.data.io.open_shard`); page CRCs
+    are checked at every read either way.
     """
 
     path: str = "data/synth-debug"
@@ -49,6 +51,7 @@ class DataConfig:
     seed: int = 0
     policy: str = "error"
     pin_memory: bool = False
+    verify_sha256: bool = True
 
     def __post_init__(self) -> None:
         if self.max_len < 1 or self.batch_size < 1:
@@ -239,7 +242,11 @@ class EventStream(IterableDataset):
         self.dataset_dir = Path(dataset_dir)
         self.schema = EventSchema.load(self.dataset_dir)
         self.shards = list_shards(self.dataset_dir, split)
-        self.units = [(s, rg) for s in self.shards for rg in range(open_shard(s, self.schema).num_row_groups)]
+        self.units = [
+            (s, rg)
+            for s in self.shards
+            for rg in range(open_shard(s, self.schema, verify_sha256=cfg.verify_sha256).num_row_groups)
+        ]
         self.cfg = cfg
         self.shuffle = training and cfg.shuffle
         self.rank, self.world_size = rank, world_size
@@ -275,7 +282,12 @@ class EventStream(IterableDataset):
         if self.blocks is not None and (shard, row_group) in self.blocks:
             return self.blocks[shard, row_group]
         ((_, table),) = iter_valid_row_groups(
-            shard, self.schema, policy=self.cfg.policy, quarantine=self.quarantine, row_groups=[row_group]
+            shard,
+            self.schema,
+            policy=self.cfg.policy,
+            quarantine=self.quarantine,
+            row_groups=[row_group],
+            verify_sha256=self.cfg.verify_sha256,
         )
         block = table_to_block(table, self.schema)
         if self.blocks is not None:

@@ -26,11 +26,55 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from foundation.messages import clip, shown
+
 TASKS = ("click", "conversion")
 HISTORY_FIELDS = ("history_item_ids", "history_actions", "history_timestamps", "history_domains")
 ID_FIELDS = ("example_id", "user_id", "item_id", "domain", "timestamp")
 ORACLE_FIELDS = {"click": "p_click", "conversion": "p_conversion"}
 SCHEMA_FILE = "schema.json"
+
+
+class SchemaError(ValueError):
+    """A ``schema.json`` that is not valid JSON or not a schema; the message names the file and the field."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# field -> (what it must be, check); counts must be positive, dense_dim may be 0.
+_SCHEMA_FIELDS = {
+    "num_users": ("a positive integer", lambda v: _is_int(v) and v > 0),
+    "num_items": ("a positive integer", lambda v: _is_int(v) and v > 0),
+    "num_domains": ("a positive integer", lambda v: _is_int(v) and v > 0),
+    "num_actions": ("a positive integer", lambda v: _is_int(v) and v > 0),
+    "dense_dim": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "sparse": ("a list of features", lambda v: isinstance(v, list)),
+    "task": ("'ctr' or 'next_item'", lambda v: v in ("ctr", "next_item")),
+    "has_oracle": ("true or false", lambda v: isinstance(v, bool)),
+    "domain_names": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)),
+    "description": ("a string", lambda v: isinstance(v, str)),
+}
+_FEATURE_FIELDS = {
+    "name": ("a non-empty string", lambda v: isinstance(v, str) and bool(v)),
+    "cardinality": ("a positive integer", lambda v: _is_int(v) and v > 0),
+    "side": ("'user' or 'item'", lambda v: v in ("user", "item")),
+}
+
+
+def _check_fields(d, spec: dict, required: tuple[str, ...], where: str) -> None:
+    """Raise :class:`SchemaError` for the first unknown, missing or ill-typed field of the object ``d``."""
+    if not isinstance(d, dict):
+        raise SchemaError(f"{where}: expected an object, got {shown(d)}")
+    if unknown := sorted(set(d) - set(spec)):
+        raise SchemaError(f"{where}: unknown field {shown(unknown[0])}; known: {sorted(spec)}")
+    if missing := [k for k in required if k not in d]:
+        raise SchemaError(f"{where}: missing field {missing[0]!r}")
+    for name, value in d.items():
+        what, ok = spec[name]
+        if not ok(value):
+            raise SchemaError(f"{where}: field {name}: expected {what}, got {shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -133,8 +177,19 @@ class EventSchema:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> EventSchema:
-        return cls(**json.loads(text))
+    def from_json(cls, text: str, *, where: str = SCHEMA_FILE) -> EventSchema:
+        """Parse and check a schema; raise :class:`SchemaError` naming ``where`` and the bad field."""
+        try:
+            d = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # ValueError: also an integer past Python's digit limit
+            raise SchemaError(f"{where}: not valid JSON: {clip(str(exc))}") from None
+        _check_fields(d, _SCHEMA_FIELDS, ("num_users", "num_items"), where)
+        for i, feature in enumerate(d.get("sparse", [])):
+            _check_fields(feature, _FEATURE_FIELDS, ("name", "cardinality"), f"{where}: sparse[{i}]")
+        try:
+            return cls(**d)
+        except ValueError as exc:
+            raise SchemaError(f"{where}: {exc}") from None
 
     def save(self, dataset_dir: str | Path) -> Path:
         from foundation.data.io import atomic_write_text
@@ -147,6 +202,7 @@ class EventSchema:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no schema.json; is {dataset_dir} a dataset written by `gem data`?")
         try:
-            return cls.from_json(path.read_text())
-        except (json.JSONDecodeError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: invalid schema: {exc}") from exc
+            text = path.read_text()
+        except UnicodeDecodeError as exc:
+            raise SchemaError(f"{path}: not valid JSON: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return cls.from_json(text, where=str(path))

@@ -912,7 +912,8 @@ def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = Tr
 
     Layout: ``{train,valid,test}/part-NNNNN.parquet`` (rows ordered by user, then time), then
     ``synth.json`` (config and stats) and, last, ``schema.json``: a dataset without ``schema.json``
-    is incomplete. A dataset already at ``out_dir`` is replaced (its ``part-*.parquet`` shards are deleted).
+    is incomplete. A dataset already at ``out_dir`` is replaced (its ``part-*.parquet`` shards and their
+    ``.sha256`` sidecars are deleted).
 
     Returns rows per split, rows/s, per-domain traffic share, click and conversion rates, conversion
     per click, history length percentiles (stored and uncapped), the train/test topic-mix total
@@ -923,8 +924,9 @@ def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = Tr
     # shards so that none from a larger earlier run survives among the new ones.
     (out_dir / SCHEMA_FILE).unlink(missing_ok=True)
     for split in SPLITS:
-        for stale in (out_dir / split).glob("part-*.parquet"):
-            stale.unlink()
+        for pattern in ("part-*.parquet", ".part-*.parquet.sha256"):
+            for stale in (out_dir / split).glob(pattern):
+                stale.unlink()
     start_time = time.perf_counter()
     schema = build_schema(cfg)
     arrow_schema = schema.arrow_schema()

@@ -21,8 +21,12 @@ inside each sequence of length ``n``; ``n_h = n - num_targets[b]`` is the histor
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.spec import AttentionSpec
 
 TIME_BUCKET_DIVISOR = 0.301
 POINTWISE_ACTIVATIONS = ("silu", "gelu", "relu", "identity")
@@ -118,43 +122,32 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def jagged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    max_len: int,
-    *,
-    activation: str = "silu",
-    causal: bool = True,
-    alpha: float | None = None,
-    num_targets: torch.Tensor | None = None,
-    window: int | None = None,
-    pos_bias: torch.Tensor | None = None,
-    time_bias: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, spec: AttentionSpec
 ) -> torch.Tensor:
-    """Reference jagged self-attention; see :func:`kernels.jagged_attention` for the arguments.
+    """Reference jagged self-attention of ``spec`` (:class:`kernels.spec.AttentionSpec`).
 
     Shapes: q, k ``[L, H, Dqk]``, v ``[L, H, Dv]``, offsets ``[B + 1]`` -> ``[L, H, Dv]``.
     """
     dtype = _compute_dtype(q)
-    alpha = 1.0 / math.sqrt(q.shape[-1]) if alpha is None else alpha
     lengths = offsets[1:] - offsets[:-1]
     qp, valid = pad_jagged(q.to(dtype), offsets, max_len)
     kp, _ = pad_jagged(k.to(dtype), offsets, max_len)
     vp, _ = pad_jagged(v.to(dtype), offsets, max_len)
-    mask, pos = self_attention_mask(lengths, max_len, causal=causal, num_targets=num_targets, window=window)
-    scores = alpha * torch.einsum("bihd,bjhd->bhij", qp, kp)
-    if pos_bias is not None:
-        dist = (pos[:, :, None] - pos[:, None, :]).abs().clamp(max=pos_bias.shape[1] - 1)
-        scores = scores + pos_bias.to(dtype)[:, dist].permute(1, 0, 2, 3)
-    if time_bias is not None:
-        tsp, _ = pad_jagged(timestamps, offsets, max_len)
-        qtsp = tsp if query_timestamps is None else pad_jagged(query_timestamps, offsets, max_len)[0]
-        bucket = time_bucket(qtsp[:, :, None] - tsp[:, None, :], time_bias.shape[1])
-        scores = scores + time_bias.to(dtype)[:, bucket].permute(1, 0, 2, 3)
-    out = _attend(scores, mask[:, None], vp.transpose(1, 2), activation, 1.0 / max(max_len, 1))
+    mask, pos = self_attention_mask(
+        lengths, max_len, causal=spec.causal, num_targets=spec.num_targets, window=spec.window
+    )
+    scores = spec.scale(q.shape[-1]) * torch.einsum("bihd,bjhd->bhij", qp, kp)
+    if spec.pos_bias is not None:
+        dist = (pos[:, :, None] - pos[:, None, :]).abs().clamp(max=spec.pos_bias.shape[1] - 1)
+        scores = scores + spec.pos_bias.to(dtype)[:, dist].permute(1, 0, 2, 3)
+    if spec.time_bias is not None:
+        tsp, _ = pad_jagged(spec.timestamps, offsets, max_len)
+        qts = spec.query_timestamps
+        qtsp = tsp if qts is None else pad_jagged(qts, offsets, max_len)[0]
+        bucket = time_bucket(qtsp[:, :, None] - tsp[:, None, :], spec.time_bias.shape[1])
+        scores = scores + spec.time_bias.to(dtype)[:, bucket].permute(1, 0, 2, 3)
+    inv_n = 1.0 / spec.pointwise_divisor(max_len)
+    out = _attend(scores, mask[:, None], vp.transpose(1, 2), spec.activation, inv_n)
     return out.transpose(1, 2)[valid].to(v.dtype)
 
 

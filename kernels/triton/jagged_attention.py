@@ -8,12 +8,10 @@ fill the gaps that the long ones leave. Key tiles that no mask can
 touch (inside the causal triangle, inside the history, inside the sequence) run a mask-free
 loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block.
 
-Backward: one program per key block accumulates dK and dV over its query blocks. dQ comes
-from a second kernel with one program per query block, or, for pointwise activations with bias
-tables, from the dK/dV tiles through float32 atomics (see :func:`_fuse_dq`;
-``GEM_KERNELS_DETERMINISTIC=1`` always takes the separate pass). Softmax scores are kept in log2
-units so each probability is one FMA and one ``exp2``. The mask semantics are those of
-:mod:`kernels.pytorch.jagged_attention`.
+Backward: one program per key block accumulates dK and dV over its query blocks; a second
+kernel, one program per query block, computes dQ (no atomics) and the bias-table gradients
+(:mod:`kernels.triton.bias`). Softmax scores are kept in log2 units so each probability is one
+FMA and one ``exp2``. The mask semantics are those of :mod:`kernels.pytorch.jagged_attention`.
 
 On Hopper and newer the forward loads its query tile and streams its key and value tiles
 through TMA tensor descriptors, for head dims of 16-256 that are powers of two: 2-15% faster than
@@ -30,20 +28,30 @@ Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON
 from __future__ import annotations
 
 import functools
-import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels import settings
-from kernels.pytorch.jagged_attention import TIME_BUCKET_DIVISOR
+from kernels.spec import AttentionSpec
+from kernels.triton.bias import add_bias, add_position_grad, add_time_grad, time_bucket
+from kernels.triton.configs import (
+    DKDV_CONFIGS,
+    DQ_CONFIGS,
+    FWD_CONFIGS,
+    TUNE_KEY,
+    checked_in_pick,
+    configs_for,
+    entry_key,
+    prune,
+)
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
 _LOG2E = tl.constexpr(1.4426950408889634)
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-_TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
 # Arguments that change with the batch's contents: specializing on their divisibility would
 # recompile the kernels for batches of the same shape.
 _NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV"]
@@ -104,32 +112,6 @@ def _mask(qi, kj, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_TARGETS: tl.
 
 
 @triton.jit
-def _bias_index(qi, kj, n_hist, ts_q, ts_k, P_SIZE, T_SIZE, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr):
-    """Bias-table indices of each pair (position bucket, time bucket); unused ones are 0."""
-    pos_idx = qi * 0 + kj * 0
-    time_idx = pos_idx
-    if HAS_PB:
-        d = tl.abs(tl.minimum(qi, n_hist) - tl.minimum(kj, n_hist))
-        pos_idx = tl.minimum(d, P_SIZE - 1)
-    if HAS_TB:
-        dt = tl.maximum(tl.abs(ts_q - ts_k), 1.0)
-        bucket = tl.floor(tl.log(dt) / _TIME_DIV).to(tl.int32)
-        time_idx = tl.minimum(tl.maximum(bucket, 0), T_SIZE - 1)
-    return pos_idx, time_idx
-
-
-@triton.jit
-def _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, ACT: tl.constexpr):
-    """Adds the bias tables' entries; softmax scores live in log2 units, so theirs are scaled."""
-    scale = _LOG2E if ACT == 0 else 1.0
-    if HAS_PB:
-        s += tl.load(pb_ptr + pos_idx).to(tl.float32) * scale
-    if HAS_TB:
-        s += tl.load(tb_ptr + time_idx).to(tl.float32) * scale
-    return s
-
-
-@triton.jit
 def _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK: tl.constexpr, DV: tl.constexpr,
                     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """One ``[BLOCK_N, D]`` key tile and value tile through pointers; rows past ``kv_len`` read zeros."""
@@ -167,9 +149,9 @@ def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, 
 @triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
-    kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
+    kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -180,8 +162,8 @@ def _fwd_tiles(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
-            pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
+            s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr, tb_ptr,
+                            P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         if ACT == 0:
             if MASKED:
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
@@ -255,7 +237,7 @@ def _fwd_kernel(
     stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
     L_Q, L_KV,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -289,20 +271,23 @@ def _fwd_kernel(
 
     # Softmax runs in log2 units (exp2 of one FMA per score); LSE is stored in them too.
     qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    bias_scale = _LOG2E if ACT == 0 else 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
-        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK, h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
+        h * DV,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
         TMA,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, qk_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK, h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
+        h * DV,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
         TMA,
     )
     if ACT == 0:
@@ -318,13 +303,16 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_tiles(
-    dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, hi,
-    kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
+    dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, ts_m_next, lo, hi,
+    kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dQ over key tiles ``[lo, hi)``, and the bias-table gradients of those tiles' scores
+    (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
+    are summed)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
@@ -332,8 +320,8 @@ def _bwd_dq_tiles(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
-            pos_idx, time_idx = _bias_index(offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s = _add_bias(s, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
+            s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr,
+                                 tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
             p = tl.math.exp2(s - lse[:, None])
@@ -345,13 +333,14 @@ def _bwd_dq_tiles(
             valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
             ds = tl.where(valid, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq)
-        if HAS_PB or HAS_TB:
-            # Rows past the sequence carry dS = 0 but clamped indices; keep them out of the sum.
-            pair_ok = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
-            if HAS_PB:
-                tl.atomic_add(dpb_ptr + pos_idx, ds * ds_scale, mask=pair_ok)
-            if HAS_TB:
-                tl.atomic_add(dtb_ptr + time_idx, ds * ds_scale, mask=pair_ok)
+        if HAS_PB:
+            add_position_grad(ds, m_start, start_n, n_hist, dpb_ptr, P_SIZE, HAS_TARGETS, BLOCK_M, BLOCK_N)
+        if HAS_TB:
+            # The reference bucket of each row: its first key's, the largest time difference in order.
+            ts_first = tl.load(ts_base + start_n)
+            ref = time_bucket(ts_m - ts_first, T_SIZE, PTX)
+            ref_next = time_bucket(ts_m_next - ts_first, T_SIZE, PTX)
+            add_time_grad(ds, bucket, ref, ref_next, dtb_ptr, PTX, BLOCK_M)
     return dq
 
 
@@ -362,7 +351,7 @@ def _bwd_dq_kernel(
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
     AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -386,28 +375,34 @@ def _bwd_dq_kernel(
         lse = tl.zeros([BLOCK_M], dtype=tl.float32)
         delta = lse
     ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
+    # The next row's query time, for the runs of the time-table gradient (kernels/triton/bias.py).
+    ts_m_next = tl.load(QTS + q_start + offs_m + 1, mask=offs_m + 1 < q_len, other=0.0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
     qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    bias_scale = _LOG2E if ACT == 0 else 1.0
     # The pointwise 1/N is applied once per output instead of once per score.
     ds_scale = 1.0 if ACT == 0 else inv_n
+    # Replicated table-gradient accumulators: programs that run together add into different copies.
     dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
     dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len, lo, full_hi,
-        kv_len, n_hist, window, qk_scale, ds_scale, PB + h * stride_pbh, TB + h * stride_tbh,
-        dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, ts_m_next, lo, full_hi,
+        kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
+        P_SIZE, T_SIZE, m_start,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        BLOCK_N,
     )
     dq = _bwd_dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, q_len,
+        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, ts_m_next,
         tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, qk_scale, ds_scale, PB + h * stride_pbh, TB + h * stride_tbh,
-        dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+        kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
+        P_SIZE, T_SIZE, m_start,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        BLOCK_N,
     )
     tl.store(DQ + q_start * stride_dqm + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_dqk[None, :],
              (dq * (alpha * ds_scale)).to(DQ.dtype.element_ty), mask=q_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -415,21 +410,14 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, dq_base, stride_qm, stride_dom, stride_dqm,
-    offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
-    P_SIZE, T_SIZE,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom,
+    offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products.
-
-    With ``FUSED_DQ`` the same tiles also add their share of dQ (and of the bias-table
-    gradients) into float32 accumulators with atomics: five matrix products per tile pair
-    instead of the seven that a separate dQ pass needs, at the price of a summation order that
-    varies from run to run.
-    """
+    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -442,8 +430,8 @@ def _bwd_dkdv_tiles(
         s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
             ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0.0) if HAS_TB else offs_m
-            pos_idx, time_idx = _bias_index(offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None], P_SIZE, T_SIZE, HAS_PB, HAS_TB)
-            s_t = _add_bias(s_t, pos_idx, time_idx, pb_ptr, tb_ptr, HAS_PB, HAS_TB, ACT)
+            s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
+                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         dp_t = tl.dot(v, tl.trans(do))
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
@@ -462,31 +450,21 @@ def _bwd_dkdv_tiles(
                 ds_t = tl.where(valid, ds_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
-        if FUSED_DQ:
-            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
-            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_dqk[None, :], dq_part,
-                          mask=m_ok[:, None] & (offs_dqk[None, :] < DQK), sem="relaxed")
-            if HAS_PB or HAS_TB:
-                pair_ok = m_ok[None, :] & (offs_n[:, None] < kv_len)
-                if HAS_PB:
-                    tl.atomic_add(dpb_ptr + pos_idx, ds_t * ds_scale, mask=pair_ok, sem="relaxed")
-                if HAS_TB:
-                    tl.atomic_add(dtb_ptr + time_idx, ds_t * ds_scale, mask=pair_ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV_, DQ_ACC, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DK, DV_, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-    stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh,
-    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
+    stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_lse_h, stride_pbh, stride_tbh,
+    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
+    _, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     n_start = pid_n * BLOCK_N
     if n_start >= kv_len:
@@ -519,23 +497,19 @@ def _bwd_dkdv_kernel(
     lse_base = LSE + h * stride_lse_h + q_start
     delta_base = DELTA + h * stride_lse_h + q_start
     qk_scale = alpha * _LOG2E if ACT == 0 else alpha
+    bias_scale = _LOG2E if ACT == 0 else 1.0
     ds_scale = 1.0 if ACT == 0 else inv_n
-    dq_base = DQ_ACC + q_start * stride_dqm + h * stride_dqh
     pb_ptr = PB + h * stride_pbh
     tb_ptr = TB + h * stride_tbh
-    dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
-    dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
-        offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
-        P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, FUSED_DQ,
-        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
+        offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     dk, dv = _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, dq_base, stride_qm, stride_dom, stride_dqm,
-        offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, ds_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr,
-        P_SIZE, T_SIZE, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, FUSED_DQ,
-        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
+        offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
     )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
              (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -557,66 +531,12 @@ def _bwd_delta_kernel(Out, DO, DELTA, stride_om, stride_oh, stride_dom, stride_d
     tl.store(DELTA + h * L + offs_m, delta, mask=offs_m < L)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _scale_cast_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
-    """``Y = (X * scale)`` cast to Y's dtype: finishes the float32 dQ accumulator in one pass."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < n, other=0.0)
-    tl.store(Y + offs, (x * scale).to(Y.dtype.element_ty), mask=offs < n)
-
-
-def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` tuples as configs, tagged by the variants they serve."""
-    out = []
-    for tag, rows in (("plain", plain), ("biased", biased)):
-        for bm, bn, warps, stages in rows:
-            config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-            config.gem_tag = tag
-            out.append(config)
-    return out
-
-
-# Each list's first config is the one used untuned (GEM_KERNELS_AUTOTUNE=0). The biased variants
-# gather a bias-table entry per score; their pointer tensors exhaust the registers of large tiles
-# (255 registers and 278 spilled at 128x64 in the forward on the H200, 2.4x slower than 128x32),
-# so they get smaller tiles of their own.
-_FWD_CONFIGS = _configs(
-    plain=[(256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
-    biased=[(128, 32, 4, 3), (64, 64, 8, 2)],
-)
-_DQ_CONFIGS = _configs(
-    plain=[(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
-    biased=[(64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 3)],
-)
-_DKDV_CONFIGS = _configs(
-    plain=[(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
-    biased=[(32, 64, 8, 2), (16, 64, 4, 3), (64, 64, 8, 2)],
-)
-
-
-def _configs_for(configs: list[triton.Config], meta: dict) -> list[triton.Config]:
-    """The configs of ``configs`` that serve this variant (biased or not)."""
-    tag = "biased" if meta.get("HAS_PB") or meta.get("HAS_TB") else "plain"
-    return [c for c in configs if c.gem_tag == tag]
-
-
-def _prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
-    return _configs_for(configs, meta)
-
-
-# Autotuning is keyed per variant and per bucket of the longest and the mean length (a full
-# batch and a heavy-tailed one of the same N want different tiles); the pruned spaces keep
-# first-call compile time to a few configs per kernel. Only the CUDA path is tuned: the
-# interpreter runs fixed tiles.
-_TUNE_KEY = ["N_BUCKET", "AVG_BUCKET", "DQK", "DV", "ACT", "CAUSAL", "HAS_TARGETS", "HAS_WINDOW", "HAS_PB", "HAS_TB"]
-_PRUNE = {"early_config_prune": _prune}
-_fwd_tuned = triton.autotune(_FWD_CONFIGS, key=[*_TUNE_KEY, "TMA"], prune_configs_by=_PRUNE)(_fwd_kernel)
-_dq_tuned = triton.autotune(_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPB", "DTB"])(
+_PRUNE = {"early_config_prune": prune}
+_fwd_tuned = triton.autotune(FWD_CONFIGS, key=[*TUNE_KEY, "TMA"], prune_configs_by=_PRUNE)(_fwd_kernel)
+_dq_tuned = triton.autotune(DQ_CONFIGS, key=TUNE_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPB", "DTB"])(
     _bwd_dq_kernel
 )
-_dkdv_tuned = triton.autotune(
-    _DKDV_CONFIGS, key=[*_TUNE_KEY, "FUSED_DQ"], prune_configs_by=_PRUNE, reset_to_zero=["DQ_ACC", "DPB", "DTB"]
-)(_bwd_dkdv_kernel)
+_dkdv_tuned = triton.autotune(DKDV_CONFIGS, key=TUNE_KEY, prune_configs_by=_PRUNE)(_bwd_dkdv_kernel)
 
 # Interpreter tiles: unequal M and N so tests cross tile boundaries both ways.
 _CPU_FWD = {"BLOCK_M": 32, "BLOCK_N": 16}
@@ -638,34 +558,42 @@ def deterministic() -> bool:
     return settings.deterministic()
 
 
-def _fuse_dq(act: str, has_bias: bool) -> bool:
-    """Whether dQ comes from the dK/dV pass through float32 atomics instead of its own pass.
+@dataclass(frozen=True)
+class _KernelCall:
+    """A call as the kernels take it: the non-differentiable part of an :class:`AttentionSpec` in
+    kernel form (int64 targets, float32 relative times, resolved scales), plus the batch's shape."""
 
-    Fusing saves two of seven matrix products per tile pair but adds a ``BLOCK_M x D`` tile of
-    atomics, whose summation order (so last bits) varies between runs. On the H200 (bf16, D=128)
-    it pays only with bias tables, where the separate pass would redo the per-score table
-    gathers: forward+backward 57 against 88 ms at N=4096. Without them the separate pass tied or
-    won in three runs (N=8192 full: 383 against 329 TFLOP/s) and needs no float32 dQ buffer.
-    Softmax always runs the separate pass. Bias-table gradients use atomics in both modes.
-    """
-    return act != "softmax" and has_bias and not deterministic()
+    act: str
+    causal: bool
+    alpha: float
+    inv_n: float
+    window: int | None
+    num_targets: torch.Tensor | None
+    timestamps: torch.Tensor | None
+    query_timestamps: torch.Tensor | None
+    max_q_len: int
+    max_kv_len: int
+    batch: int
 
-
-class _Spec:
-    """Everything about a call that is not a differentiable tensor."""
-
-    def __init__(self, act, causal, alpha, window, num_targets, timestamps, max_q_len, max_kv_len, batch,
-                 query_timestamps=None):
-        self.batch = batch
-        self.act = act
-        self.causal = causal
-        self.alpha = alpha
-        self.window = window
-        self.num_targets = num_targets
-        self.timestamps = timestamps
-        self.query_timestamps = query_timestamps
-        self.max_q_len = max_q_len
-        self.max_kv_len = max_kv_len
+    @classmethod
+    def of_self_attention(cls, spec: AttentionSpec, q: torch.Tensor, offsets: torch.Tensor, max_len: int):
+        has_time = spec.time_bias is not None
+        qts = spec.query_timestamps
+        return cls(
+            act=spec.activation,
+            causal=spec.causal,
+            alpha=spec.scale(q.shape[-1]),
+            inv_n=1.0 / spec.pointwise_divisor(max_len),
+            window=spec.window,
+            num_targets=spec.num_targets.to(torch.int64).contiguous() if spec.num_targets is not None else None,
+            timestamps=relative_timestamps(spec.timestamps, offsets) if has_time else None,
+            query_timestamps=relative_timestamps(qts, offsets, origin=spec.timestamps)
+            if has_time and qts is not None
+            else None,
+            max_q_len=max_len,
+            max_kv_len=max_len,
+            batch=offsets.numel() - 1,
+        )
 
 
 _DUMMIES: dict[torch.device, torch.Tensor] = {}
@@ -678,20 +606,22 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return _DUMMIES[device]
 
 
-def _common_args(q, k, v, pb, tb, spec):
+def _common_args(q, k, v, pb, tb, call):
     heads = q.shape[1]
     dummy = _dummy(q.device)
-    # The kernels index the tables with unit stride along the bucket axis.
-    pb_t = pb.contiguous() if pb is not None else dummy
-    tb_t = tb.contiguous() if tb is not None else dummy
+    # The kernels read float32 tables with unit stride along the bucket axis.
+    pb_t = pb.to(torch.float32).contiguous() if pb is not None else dummy
+    tb_t = tb.to(torch.float32).contiguous() if tb is not None else dummy
     meta = dict(
-        ACT=_ACT_CODES[spec.act],
-        CAUSAL=spec.causal,
-        HAS_TARGETS=spec.num_targets is not None,
-        HAS_WINDOW=spec.window is not None,
+        ACT=_ACT_CODES[call.act],
+        CAUSAL=call.causal,
+        HAS_TARGETS=call.num_targets is not None,
+        HAS_WINDOW=call.window is not None,
         HAS_PB=pb is not None,
         HAS_TB=tb is not None,
         FAST=settings.fast_sigmoid() and q.is_cuda,
+        # Inline PTX for the bias tables' reads, buckets and scatter (kernels/triton/bias.py).
+        PTX=q.is_cuda,
         DQK=q.shape[2],
         DV=v.shape[2],
         BLOCK_DQK=_block_d(q.shape[2]),
@@ -703,15 +633,15 @@ def _common_args(q, k, v, pb, tb, spec):
         P_SIZE=pb.shape[1] if pb is not None else 1,
         T_SIZE=tb.shape[1] if tb is not None else 1,
         H=heads,
-        alpha=spec.alpha,
-        inv_n=1.0 / max(spec.max_kv_len, 1),
-        window=spec.window if spec.window is not None else 0,
-        N_BUCKET=_n_bucket(spec.max_kv_len),
-        AVG_BUCKET=_n_bucket(k.shape[0] // max(spec.batch, 1)),
+        alpha=call.alpha,
+        inv_n=call.inv_n,
+        window=call.window if call.window is not None else 0,
+        N_BUCKET=_n_bucket(call.max_kv_len),
+        AVG_BUCKET=_n_bucket(k.shape[0] // max(call.batch, 1)),
     )
-    nt = spec.num_targets if spec.num_targets is not None else dummy
-    ts = spec.timestamps if spec.timestamps is not None else dummy
-    qts = spec.query_timestamps if spec.query_timestamps is not None else ts
+    nt = call.num_targets if call.num_targets is not None else dummy
+    ts = call.timestamps if call.timestamps is not None else dummy
+    qts = call.query_timestamps if call.query_timestamps is not None else ts
     return pb_t, tb_t, nt, (ts, qts), meta, scalars
 
 
@@ -758,29 +688,31 @@ def _autotune_enabled() -> bool:
     return settings.autotune()
 
 
-# The config the autotuner picked for each (kernel, dtype, tuning key). Triton's autotuner spends
-# tens of microseconds of Python per call rebuilding its key from all ~60 arguments; with the pick
-# known, the plain kernel launches directly, which matters for short (heavy-tailed) batches whose
-# kernels run for less time than their launches take.
+# The config each launch took, by (kernel, dtype, tuning key): later launches skip the lookup, and
+# tuned ones skip Triton's autotuner, which spends tens of microseconds of Python per call rebuilding
+# its key from all ~60 arguments (that matters for short, heavy-tailed batches).
 _PICKS: dict[tuple, triton.Config] = {}
+# What the autotuner picked in this process, by table entry (kernels.triton.configs.write_tuned).
+TUNED: dict[str, triton.Config] = {}
 
 
 def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
     """A 1-D grid of ``B * H * cdiv(grid_rows, block)`` programs (:func:`_program`), where
-    ``block_key`` names the tile that splits the rows."""
+    ``block_key`` names the tile that splits the rows; the config as :mod:`kernels.triton.configs` says."""
     kwargs = {**kwargs, "ROWS": grid_rows}
     if not on_cuda:
         plain[(batch_heads * triton.cdiv(grid_rows, cpu_blocks[block_key]),)](*args, **kwargs, **cpu_blocks)
         return
-    if _autotune_enabled():
-        pick = (plain.__name__, args[0].dtype, *(kwargs[name] for name in tuned.keys))
-        config = _PICKS.get(pick)
-        if config is None:
+    pick = (plain.__name__, args[0].dtype, *(kwargs[name] for name in tuned.keys))
+    config = _PICKS.get(pick)
+    if config is None:
+        entry = entry_key(plain.__name__, args[0].dtype, tuned.keys, kwargs)
+        config = checked_in_pick(args[0].device, entry)
+        if config is None and _autotune_enabled():
             tuned[lambda meta: (batch_heads * triton.cdiv(grid_rows, meta[block_key]),)](*args, **kwargs)
-            _PICKS[pick] = tuned.best_config
+            _PICKS[pick] = TUNED[entry] = tuned.best_config
             return
-    else:
-        config = _configs_for(tuned.configs, kwargs)[0]
+        config = _PICKS[pick] = config or configs_for(tuned.configs, kwargs)[0]
     plain[(batch_heads * triton.cdiv(grid_rows, config.kwargs[block_key]),)](*args, **kwargs, **config.all_kwargs())
 
 
@@ -817,129 +749,90 @@ def _zeros_replicated(reps: int, table: torch.Tensor | None) -> torch.Tensor | N
 
 class _JaggedAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pos_bias, time_bias, q_offsets, kv_offsets, spec):
+    def forward(ctx, q, k, v, pos_bias, time_bias, q_offsets, kv_offsets, call):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         batch, heads = q_offsets.numel() - 1, q.shape[1]
         out = torch.empty(q.shape[0], heads, v.shape[2], device=q.device, dtype=v.dtype)
         lse = torch.empty(heads, q.shape[0], device=q.device, dtype=torch.float32)
-        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
+        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         order = _longest_first(q_offsets, kv_offsets)
-        if batch * heads > 0 and spec.max_q_len > 0:
+        if batch * heads > 0 and call.max_q_len > 0:
             args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
             tma = _use_tma(q, k, v)
-            _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, args,
+            _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
                     {**scalars, **meta, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda)
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias)
-        ctx.spec = spec
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias = ctx.saved_tensors
-        spec = ctx.spec
+        call = ctx.call
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         batch, heads = q_offsets.numel() - 1, q.shape[1]
-        fused = _fuse_dq(spec.act, pos_bias is not None or time_bias is not None)
-        # Every key row belongs to a sequence, so the dK/dV (and split dQ) kernels write every row;
-        # only the atomic dQ accumulator needs zeros.
-        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
+        # Every row belongs to a sequence, so the kernels write every row of dQ, dK and dV.
+        dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         reps = _bias_grad_replicas(batch * heads, pos_bias, time_bias)
         dpb = _zeros_replicated(reps, pos_bias)
         dtb = _zeros_replicated(reps, time_bias)
-        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, spec)
+        pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         dummy = _dummy(q.device)
         dpb_t = dpb if dpb is not None else dummy
         dtb_t = dtb if dtb is not None else dummy
-        scalars.update(
+        tables = dict(
             REPS=reps,
             stride_dpb_rep=dpb.stride(0) if dpb is not None else 0,
             stride_dtb_rep=dtb.stride(0) if dtb is not None else 0,
         )
-        delta = torch.empty_like(lse) if spec.act == "softmax" else lse
-        if spec.act == "softmax" and q.shape[0] > 0:
+        delta = torch.empty_like(lse) if call.act == "softmax" else lse
+        if call.act == "softmax" and q.shape[0] > 0:
             rows = _CPU_FWD["BLOCK_M"] if not q.is_cuda else 64
             _bwd_delta_kernel[(triton.cdiv(q.shape[0], rows), heads)](
                 out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), q.shape[0],
                 DV=v.shape[2], BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=rows,
             )
-        if batch * heads == 0 or spec.max_q_len == 0 or spec.max_kv_len == 0:
+        if batch * heads == 0 or call.max_q_len == 0 or call.max_kv_len == 0:
             # Nothing attends: every gradient is zero (rows may still exist on the other side).
             dq.zero_()
             dk.zero_()
             dv.zero_()
         else:
-            if not fused:
-                dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
-                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
-                _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", spec.max_q_len, batch * heads, dq_args,
-                        {**scalars, **meta}, q.is_cuda)
-            # Unfused, the dK/dV pass neither reads nor writes dQ and the table gradients, and must not
-            # see them: its autotuner zeroes those arguments around each trial (they are accumulators
-            # when fused), which would wipe what the dQ pass has just written on every first call.
-            acc = (dq, dpb_t, dtb_t) if fused else (dummy, dummy, dummy)
-            dkdv_args = (q, k, v, dout, dk, dv, acc[0], lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
-                         acc[1], acc[2],
+            # The dQ pass's autotuner zeroes the table-gradient accumulators around each trial; they are
+            # written by that pass only, so no earlier output is among them.
+            dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
+            _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
+                    {**scalars, **tables, **meta}, q.is_cuda)
+            dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                         dq.stride(0), dq.stride(1), lse.stride(0))
-            _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", spec.max_kv_len, batch * heads, dkdv_args,
-                    {**scalars, **meta, "FUSED_DQ": fused}, q.is_cuda)
-        if fused:
-            dq_acc, dq = dq, torch.empty(q.shape, device=q.device, dtype=q.dtype)
-            scale = spec.alpha * (1.0 if spec.act == "softmax" else scalars["inv_n"])
-            if dq.numel() > 0:
-                _scale_cast_kernel[(triton.cdiv(dq.numel(), 4096),)](dq_acc, dq, dq.numel(), scale, BLOCK=4096)
-        dpb = dpb.sum(0).to(pos_bias.dtype) if dpb is not None else None
-        dtb = dtb.sum(0).to(time_bias.dtype) if dtb is not None else None
+                         lse.stride(0))
+            _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", call.max_kv_len, batch * heads, dkdv_args,
+                    {**scalars, **meta}, q.is_cuda)
+        # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
+        table_scale = 1.0 if call.act == "softmax" else scalars["inv_n"]
+        dpb = (dpb.sum(0) * table_scale).to(pos_bias.dtype) if dpb is not None else None
+        dtb = (dtb.sum(0) * table_scale).to(time_bias.dtype) if dtb is not None else None
         return dq, dk, dv, dpb, dtb, None, None, None
 
 
-def _default_alpha(alpha: float | None, q: torch.Tensor) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if alpha is None else float(alpha)
-
-
 def jagged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    max_len: int,
-    *,
-    activation: str = "silu",
-    causal: bool = True,
-    alpha: float | None = None,
-    num_targets: torch.Tensor | None = None,
-    window: int | None = None,
-    pos_bias: torch.Tensor | None = None,
-    time_bias: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int, spec: AttentionSpec
 ) -> torch.Tensor:
-    """Triton jagged self-attention; see :func:`kernels.jagged_attention` (no input checks here).
+    """Triton jagged self-attention of ``spec`` (:class:`kernels.spec.AttentionSpec`; the dispatcher
+    checks the inputs, this does not).
 
     Shapes: q, k ``[L, H, Dqk]``, v ``[L, H, Dv]``, offsets ``[B + 1]`` -> ``[L, H, Dv]``.
     """
     offsets = offsets.to(torch.int64).contiguous()
-    spec = _Spec(
-        activation,
-        causal,
-        _default_alpha(alpha, q),
-        window,
-        num_targets.to(torch.int64).contiguous() if num_targets is not None else None,
-        relative_timestamps(timestamps, offsets) if time_bias is not None else None,
-        max_len,
-        max_len,
-        offsets.numel() - 1,
-        relative_timestamps(query_timestamps, offsets, origin=timestamps)
-        if time_bias is not None and query_timestamps is not None
-        else None,
-    )
-    return _JaggedAttentionFn.apply(q, k, v, pos_bias, time_bias, offsets, offsets, spec)
+    call = _KernelCall.of_self_attention(spec, q, offsets, max_len)
+    return _JaggedAttentionFn.apply(q, k, v, spec.pos_bias, spec.time_bias, offsets, offsets, call)
 
 
 def relative_timestamps(
@@ -975,8 +868,12 @@ def jagged_cross_attention(
 
     Shapes: q ``[Lq, H, Dqk]``, k ``[Lkv, H, Dqk]``, v ``[Lkv, H, Dv]`` -> ``[Lq, H, Dv]``.
     """
-    spec = _Spec(activation, False, _default_alpha(alpha, q), None, None, None, max_q_len, max_kv_len,
-                 q_offsets.numel() - 1)
+    spec = AttentionSpec(activation=activation, causal=False, alpha=alpha)
+    call = _KernelCall(
+        act=activation, causal=False, alpha=spec.scale(q.shape[-1]), inv_n=1.0 / spec.pointwise_divisor(max_kv_len),
+        window=None, num_targets=None, timestamps=None, query_timestamps=None, max_q_len=max_q_len,
+        max_kv_len=max_kv_len, batch=q_offsets.numel() - 1,
+    )
     return _JaggedAttentionFn.apply(
-        q, k, v, None, None, q_offsets.to(torch.int64).contiguous(), kv_offsets.to(torch.int64).contiguous(), spec
+        q, k, v, None, None, q_offsets.to(torch.int64).contiguous(), kv_offsets.to(torch.int64).contiguous(), call
     )

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import jagged_attention, jagged_cross_attention
+from kernels import AttentionSpec, jagged_attention, jagged_cross_attention
+from kernels.checks import check_num_targets, check_offsets
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import time_bucket
 from kernels.triton import jagged_attention as triton_backend
@@ -235,7 +236,7 @@ def test_non_finite_values_stay_in_their_own_sequence(activation, tma, monkeypat
     offsets = _offsets(lengths)
     kwargs = dict(activation=activation, causal=True)
     with torch.no_grad():
-        got = triton_backend.jagged_attention(q, k, v, offsets, 37, **kwargs)
+        got = triton_backend.jagged_attention(q, k, v, offsets, 37, AttentionSpec(**kwargs))
         for b in (0, 2):
             rows = slice(int(offsets[b]), int(offsets[b + 1]))
             want = kernels.jagged_attention(q[rows], k[rows], v[rows], _offsets([lengths[b]]), 37,
@@ -260,15 +261,13 @@ def test_time_bias_on_epoch_timestamps_uses_exact_offsets_within_each_sequence()
     _assert_close(got, want, 1e-4, "epoch timestamps")
 
 
-@pytest.mark.parametrize("deterministic", ["0", "1"], ids=["fused-dq", "split-dq"])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize(
     "flags", [dict(causal=True, targets=True, pos=7), dict(causal=False, window=6)], ids=["causal-targets", "window"]
 )
-def test_query_timestamps_match_reference(activation, deterministic, flags, monkeypatch):
+def test_query_timestamps_match_reference(activation, flags):
     """The time bias of pair (i, j) from ``query_timestamps[i] - timestamps[j]`` (HSTU's target time:
     the next event's), on epoch-second times: output and every gradient, both tables."""
-    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", deterministic)
     lengths = [37, 0, 1, 20, 5, 40]
     t = _inputs(lengths, 2, 16, 24, torch.float32, seed=23, pos=flags.get("pos", 0), time=24)
     t["timestamps"] = t["timestamps"] + 1_700_000_000
@@ -286,6 +285,24 @@ def test_query_timestamps_match_reference(activation, deterministic, flags, monk
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_bias_table_gradients_for_times_out_of_order_and_every_distance(activation):
+    """The table gradients are reduced per tile (diagonal sums for positions, per-row bucket sums for
+    times, see kernels/triton/bias.py), which is cheapest for times in order; they must stay exact for
+    times in any order, buckets that change at every key, a position table shorter than the sequence
+    (clamped distances) and targets."""
+    lengths = [45, 3, 0, 38]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=31, pos=11, time=30)
+    g = torch.Generator().manual_seed(8)
+    t["timestamps"] = torch.randint(0, 10**6, (sum(lengths),), generator=g)
+    qts = torch.randint(0, 10**6, (sum(lengths),), generator=g)
+    kwargs = dict(activation=activation, causal=True, num_targets=torch.tensor([2, 1, 0, 5]), query_timestamps=qts)
+    offsets = _offsets(lengths)
+    want = _run("pytorch", t, offsets, 45, 3, **kwargs)
+    got = _run("triton", t, offsets, 45, 3, **kwargs)
+    _assert_close(got, want, 1e-4, f"unordered times {activation}")
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_triton_split_dq_pass_matches_reference(activation, monkeypatch):
     monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1")
     lengths = [37, 0, 1, 20]
@@ -297,17 +314,14 @@ def test_triton_split_dq_pass_matches_reference(activation, monkeypatch):
     _assert_close(got, want, 1e-4, f"split dQ {activation}")
 
 
-@pytest.mark.parametrize(
-    "activation, deterministic", [("silu", "0"), ("silu", "1"), ("softmax", "0")], ids=["fused", "split", "softmax"]
-)
-def test_autotuner_resets_never_touch_an_earlier_pass_output(activation, deterministic, monkeypatch):
+@pytest.mark.parametrize("activation", ["silu", "softmax"])
+def test_autotuner_resets_never_touch_an_earlier_pass_output(activation, monkeypatch):
     """On CUDA the autotuner zeroes a kernel's ``reset_to_zero`` arguments around each trial, on
     every first call of a new tuning key. A later backward pass must therefore never receive, under
     those names, a tensor an earlier pass of the same backward was given: the dK/dV pass once got
     the split dQ pass's finished dQ and table gradients there, and the first step of every new
     length bucket returned dQ = 0 and zero table gradients. The interpreter does not autotune, so
     this records the real launches and checks the arguments themselves."""
-    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", deterministic)
     launches = []
     real_launch = triton_backend._launch
 
@@ -320,7 +334,7 @@ def test_autotuner_resets_never_touch_an_earlier_pass_output(activation, determi
     t = _inputs(lengths, 2, 16, 16, torch.float32, seed=21, pos=5, time=4)
     offsets = _offsets(lengths)
     got = _run("triton", t, offsets, 37, 6, activation=activation, causal=True)
-    assert len(launches) == (2 if deterministic == "0" and activation != "softmax" else 3)
+    assert len(launches) == 3
     placeholder = triton_backend._dummy(t["q"].device)
     for i, (tuned, bound) in enumerate(launches):
         for name in tuned.reset_to_zero:
@@ -332,7 +346,7 @@ def test_autotuner_resets_never_touch_an_earlier_pass_output(activation, determi
                     not isinstance(x, torch.Tensor) or x.data_ptr() != reset.data_ptr() for x in earlier.values()
                 ), f"launch {i} would reset {name}, a tensor an earlier pass was given"
     want = _run("pytorch", t, offsets, 37, 6, activation=activation, causal=True)
-    _assert_close(got, want, 1e-4, f"{activation} deterministic={deterministic}")
+    _assert_close(got, want, 1e-4, activation)
 
 
 def test_grid_runs_the_sequences_with_most_pairs_first():
@@ -353,6 +367,21 @@ def test_triton_backward_is_deterministic(monkeypatch):
     second = _run("triton", t, _offsets(lengths), 30, 1, **kwargs)
     for a, b in zip(first[:4], second[:4], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "triton"])
+def test_divisor_replaces_max_len_for_pointwise_activations(backend):
+    """HSTU divides by a fixed N, not the batch's longest sequence: with ``divisor`` the output is the
+    max_len-divided one scaled by max_len / divisor, and so is every gradient (softmax ignores it)."""
+    lengths = [9, 0, 14]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=4, pos=6, time=5)
+    offsets = _offsets(lengths)
+    base = _run(backend, t, offsets, 14, 2, activation="silu", causal=True)
+    fixed = _run(backend, t, offsets, 14, 2, activation="silu", causal=True, divisor=40)
+    _assert_close(fixed, [x * (14 / 40) for x in base], 1e-5, f"divisor {backend}")
+    soft = _run(backend, t, offsets, 14, 2, activation="softmax", causal=True)
+    soft_fixed = _run(backend, t, offsets, 14, 2, activation="softmax", causal=True, divisor=40)
+    _assert_close(soft_fixed, soft, 1e-6, f"softmax divisor {backend}")
 
 
 def test_all_empty_batch():
@@ -450,6 +479,8 @@ def test_env_var_overrides_auto_backend_only(monkeypatch):
         (dict(time_bias=torch.randn(2, 4), timestamps=torch.arange(7), query_timestamps=torch.arange(7.0)),
          "query_timestamps"),
         (dict(backend="cuda"), "backend"),
+        (dict(causl=True), "unknown options"),
+        (dict(divisor=0), "divisor"),
     ],
 )
 def test_bad_input_names_the_argument(change, message):
@@ -458,6 +489,25 @@ def test_bad_input_names_the_argument(change, message):
     positional = [args.pop(n) for n in ("q", "k", "v", "offsets", "max_len")]
     with pytest.raises(ValueError, match=message):
         jagged_attention(*positional, **args)
+
+
+def test_device_values_are_checked_only_on_request():
+    """On a GPU a check of offsets' or num_targets' values stalls the host at every call, so the
+    dispatchers check them only for CPU tensors unless check_values() asks. Meta tensors stand in for
+    device ones: they have no values, and reading one raises."""
+    offsets = torch.empty(3, dtype=torch.int64, device="meta")
+    num_targets = torch.empty(2, dtype=torch.int64, device="meta")
+    meta = torch.device("meta")
+    assert check_offsets("offsets", offsets, 7, 4, meta) == 2
+    check_num_targets(num_targets, offsets, 2, meta)
+    with kernels.check_values():
+        with pytest.raises(NotImplementedError, match="meta"):
+            check_offsets("offsets", offsets, 7, 4, meta)
+        with pytest.raises(RuntimeError, match="meta"):
+            check_num_targets(num_targets, offsets, 2, meta)
+    # Metadata is checked everywhere.
+    with pytest.raises(ValueError, match="int64 or int32"):
+        check_offsets("offsets", offsets.float(), 7, 4, meta)
 
 
 def test_cross_attention_bad_offsets():

@@ -1,0 +1,162 @@
+"""The glue kernels on the GPU: checked against their PyTorch references, then timed against them.
+
+``kernels.layer_norm`` (``LN(scale * x) * gate`` in the next GEMM's dtype) and
+``kernels.jagged_silu_modulate`` (``silu(h) * scale[row] + shift[row]``) at the ``large`` teacher's
+shapes: 16,384 tokens, d_model 1,024 (the attention norm and the PFFN's hidden width), bf16 inputs as
+autocast hands them over. Each case runs forward and backward on both backends in one process, reports
+the relative error of the output and of every gradient (fresh random inputs per case), then the median
+time of forward and of forward+backward over repeated runs (``triton.testing.do_bench``), and the
+bytes each Triton pass must move over its time against the copy bandwidth.
+
+    python -m experiments.bench_glue --json glue.json
+
+On CPU it runs the same code at tiny shapes through the Triton interpreter (``TRITON_INTERPRET=1``),
+which checks the script, not the speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kernels import jagged_silu_modulate, layer_norm
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in float64 (0 when both are empty)."""
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom else float((a - b).norm().item())
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` in ms: CUDA events via do_bench on a GPU, the host clock elsewhere."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def layer_norm_case(tokens: int, width: int, device: torch.device, seed: int) -> dict:
+    """Inputs of the HSTU attention norm: ``x``, ``gate`` bf16 ``[tokens, width]``, float32 affine."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    gate = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
+    bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
+    upstream = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16)
+
+    def run(backend: str) -> torch.Tensor:
+        return layer_norm(x, weight, bias, 1e-5, scale=0.5, gate=gate, out_dtype=torch.bfloat16, backend=backend)
+
+    # Read x, gate, write out (2 bytes each); backward reads x, gate, dout, writes dx, dgate.
+    bytes_fwd = 3 * tokens * width * 2
+    return {"leaves": [x, gate, weight, bias], "names": ["x", "gate", "weight", "bias"], "run": run,
+            "upstream": upstream, "bytes_fwd": bytes_fwd, "bytes_bwd": 5 * tokens * width * 2}
+
+
+def modulate_case(tokens: int, width: int, device: torch.device, seed: int, rows_count: int) -> dict:
+    """Inputs of the PFFN modulation: ``h`` bf16 ``[tokens, width]``, per-row ``scale``/``shift``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    lengths = torch.randint(1, 2 * tokens // rows_count, (rows_count,), device=device, generator=g)
+    lengths = (lengths.double() * tokens / lengths.sum().double()).floor().long().clamp(min=0)
+    lengths[-1] += tokens - lengths.sum()
+    rows = torch.repeat_interleave(torch.arange(rows_count, device=device), lengths, output_size=tokens)
+    h = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    scale = (1 + 0.1 * torch.randn(rows_count, width, device=device, generator=g)).to(torch.bfloat16).requires_grad_(True)
+    shift = (0.1 * torch.randn(rows_count, width, device=device, generator=g)).to(torch.bfloat16).requires_grad_(True)
+    upstream = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16)
+
+    def run(backend: str) -> torch.Tensor:
+        return jagged_silu_modulate(h, scale, shift, rows, backend=backend)
+
+    return {"leaves": [h, scale, shift], "names": ["h", "scale", "shift"], "run": run, "upstream": upstream,
+            "bytes_fwd": 2 * tokens * width * 2, "bytes_bwd": 3 * tokens * width * 2}
+
+
+def forward_backward(case: dict, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    for leaf in case["leaves"]:
+        leaf.grad = None
+    out = case["run"](backend)
+    out.backward(case["upstream"])
+    return out.detach(), [leaf.grad.clone() for leaf in case["leaves"]]
+
+
+def measure(name: str, case: dict, repeats: int) -> dict:
+    """Errors of the Triton backend against the reference, then both backends' median times."""
+    ref_out, ref_grads = forward_backward(case, "pytorch")
+    out, grads = forward_backward(case, "triton")
+    errors = {"out": rel_error(out, ref_out)}
+    errors.update({g: rel_error(a, b) for g, a, b in zip(case["names"], grads, ref_grads, strict=True)})
+    row = {"kernel": name, "rel_error": errors}
+    for backend in ("pytorch", "triton"):
+        with torch.no_grad():
+            fwd = median_ms(lambda b=backend: case["run"](b), repeats)
+        both = median_ms(lambda b=backend: forward_backward(case, b), repeats)
+        row[backend] = {"fwd_ms": fwd, "fwd_bwd_ms": both}
+    tri = row["triton"]
+    row["speedup_fwd_bwd"] = row["pytorch"]["fwd_bwd_ms"] / tri["fwd_bwd_ms"] if tri["fwd_bwd_ms"] else None
+    row["triton_fwd_gb_per_s"] = case["bytes_fwd"] / tri["fwd_ms"] / 1e6 if tri["fwd_ms"] else None
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'kernel':<22}{'max rel err':>12}{'ref f+b ms':>12}{'tri f+b ms':>12}{'speedup':>9}{'tri fwd GB/s':>14}"]
+    for r in rows:
+        worst = max(r["rel_error"].values())
+        speed = f"{r['speedup_fwd_bwd']:.2f}" if r["speedup_fwd_bwd"] else "-"
+        gbs = f"{r['triton_fwd_gb_per_s']:.0f}" if r["triton_fwd_gb_per_s"] else "-"
+        lines.append(
+            f"{r['kernel']:<22}{worst:>12.2e}{r['pytorch']['fwd_bwd_ms']:>12.3f}{r['triton']['fwd_bwd_ms']:>12.3f}"
+            f"{speed:>9}{gbs:>14}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=None, help="default: 16384 on CUDA, 96 on CPU")
+    parser.add_argument("--width", type=int, default=None, help="default: 1024 on CUDA, 64 on CPU")
+    parser.add_argument("--rows", type=int, default=None, help="rows of the modulation (default 32 / 4)")
+    parser.add_argument("--repeats", type=int, default=5, help="host-timed repeats (CPU only)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("no GPU: run with TRITON_INTERPRET=1 to check the script on CPU")
+    device = torch.device("cuda" if cuda else "cpu")
+    tokens = args.tokens or (16384 if cuda else 96)
+    width = args.width or (1024 if cuda else 64)
+    rows_count = args.rows or (32 if cuda else 4)
+    rows = [
+        measure("layer_norm+gate", layer_norm_case(tokens, width, device, seed=1), args.repeats),
+        measure("silu_modulate", modulate_case(tokens, width, device, seed=2, rows_count=rows_count), args.repeats),
+    ]
+    result = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)",
+        "tokens": tokens,
+        "width": width,
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Count what the attention kernels compile to, without a GPU: registers, spills and SASS per score.
+
+Each kernel variant is compiled for sm_90 by Triton's own toolchain (``triton.compile`` with a CUDA
+target, ptxas bundled with Triton), then ``cuobjdump -res-usage`` gives registers and stack (spills)
+and ``nvdisasm`` the SASS. The tile loop is the innermost loop holding ``HGMMA``s (the mask-free one,
+the shortest such loop); its instruction count divided by the scores each thread owns per tile is the
+elementwise cost per score. Counts are static: a branch inside the loop counts as if always taken.
+Run it with the Triton of the GPU machine first on ``PYTHONPATH`` (e.g. ``pip install --target DIR
+triton==3.6.0``); the counts differ between Triton versions.
+
+    PYTHONPATH=DIR:. python experiments/kernel_sass.py --kernels fwd dq dkdv --bias both
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from kernels.triton import jagged_attention as attn
+from kernels.triton.configs import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, configs_for
+
+KERNELS = {"fwd": (attn._fwd_kernel, FWD_CONFIGS), "dq": (attn._bwd_dq_kernel, DQ_CONFIGS),
+           "dkdv": (attn._bwd_dkdv_kernel, DKDV_CONFIGS)}
+FP32_POINTERS = {"LSE", "DELTA", "PB", "TB", "DPB", "DTB", "TS", "QTS"}
+I64_POINTERS = {"Q_OFF", "KV_OFF", "NT"}
+FLOATS = {"alpha", "inv_n"}
+SHOWN = ["HGMMA", "MUFU", "LDG", "LDS", "STS", "REDG", "SHFL", "BAR", "STL", "LDL"]
+
+
+def signature(fn, constexprs: dict) -> tuple[dict, dict]:
+    """Argument types (bf16 tensors, float32 tables and times, int64 offsets) and 16-divisibility hints."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        elif name[0].islower() or name in ("P_SIZE", "T_SIZE", "H", "N_BUCKET", "AVG_BUCKET", "ROWS", "REPS", "L_Q", "L_KV"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "*fp32" if name in FP32_POINTERS else "*i64" if name in I64_POINTERS else "*i32" if name == "ORDER" else "*bf16"
+        if sig[name].startswith("*") or (name.startswith("stride_") and name not in fn.do_not_specialize):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_sm90(fn, constexprs: dict, config: triton.Config):
+    sig, attrs = signature(fn, constexprs)
+    source = triton.compiler.ASTSource(fn, sig, constexprs, attrs)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def tile_loop(sass: str) -> collections.Counter:
+    """Instruction counts of the shortest loop (backward branch to a label) that holds HGMMAs."""
+    lines = sass.splitlines()
+    labels, bodies = {}, []
+    for i, line in enumerate(lines):
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            labels[label.group(1)] = i
+        branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if branch and branch.group(1) in labels:
+            ops = collections.Counter()
+            for body_line in lines[labels[branch.group(1)]: i + 1]:
+                op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body_line)
+                if op:
+                    ops[op.group(2).split(".")[0]] += 1
+            if ops["HGMMA"]:
+                bodies.append(ops)
+    return min(bodies, key=lambda ops: sum(ops.values()))
+
+
+def tools(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def report(kernel: str, bias: str, act: int, config: triton.Config) -> str:
+    fn, _ = KERNELS[kernel]
+    constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
+                      HAS_TB=bias != "none", FAST=True, PTX=True, DQK=128, DV=128, BLOCK_DQK=128, BLOCK_DV=128,
+                      **config.kwargs)
+    if kernel == "fwd":
+        constexprs["TMA"] = True
+    compiled = compile_sm90(fn, constexprs, config)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tools("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tools("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage).group(1)
+    stack = re.search(r"STACK:(\d+)", usage).group(1)
+    loop = tile_loop(sass)
+    total = sum(loop.values())
+    scores = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] / (32 * config.num_warps)
+    shown = " ".join(f"{k}={loop[k]}" for k in SHOWN if loop[k])
+    return (f"{kernel:4s} bias={bias:4s} act={act} {config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
+            f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack} | tile loop {total} instr, "
+            f"{total / scores:.1f}/score | {shown}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    parser.add_argument("--bias", nargs="+", choices=["none", "both"], default=["none", "both"])
+    parser.add_argument("--acts", type=int, nargs="+", default=[1], help="1 SiLU, 0 softmax")
+    args = parser.parse_args(argv)
+    print(f"triton {triton.__version__}, sm_90")
+    for kernel in args.kernels:
+        for bias in args.bias:
+            for act in args.acts:
+                for config in configs_for(KERNELS[kernel][1], {"HAS_PB": bias != "none"}):
+                    print(report(kernel, bias, act, config), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""HSTU's relative bias tables inside the attention kernels: the per-score terms and their gradients.
+
+A (query ``i``, key ``j``) pair adds ``pos_bias[h, min(|p(i) - p(j)|, P - 1)]`` and
+``time_bias[h, bucket(qts_i - ts_j)]`` to its score (:mod:`kernels.pytorch.jagged_attention`).
+
+Per score the forward needs an index and a table read. On the GPU (``PTX``: inline PTX) both avoid
+Triton's pointer tensors: a table read is one non-caching load through a 32-bit index (a ``[M, N]``
+tile of 64-bit pointers spilled registers and made the pipeliner stage every gathered element
+through shared memory), and the time bucket is one ``lg2.approx`` plus a truncating add instead of
+the ~25-instruction precise ``log``. The interpreter runs the plain ``tl`` forms of the formulas.
+
+The gradient of a table entry is the sum of dS over the scores that read it. One float32 atomic per
+score and table (4.3e9 per layer at N=4,096, B=32, H=8) was what made the biased backward slow
+(docs/benchmarks.md), so the dQ pass reduces each tile first:
+
+- position: the entry depends on the tile's diagonal only, so the tile's dS is reduced to diagonal
+  sums (:func:`add_position_grad`): a few atomics per diagonal instead of one per score;
+- time: along a row of a tile the bucket changes rarely except near the diagonal, so each row's
+  two most common buckets are summed first, and go in by runs of rows (:func:`add_time_grad`); only
+  the other scores add themselves.
+
+Both are exact for any positions and times (not only sorted ones); only the float summation order
+changes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import triton
+import triton.language as tl
+
+from kernels.pytorch.jagged_attention import TIME_BUCKET_DIVISOR
+
+_TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
+# ln(x) / 0.301 = log2(x) * ln(2) / 0.301, the factor as a PTX float32 literal.
+_LOG2_TO_BUCKET = f"0f{struct.unpack('<I', struct.pack('<f', math.log(2.0) / TIME_BUCKET_DIVISOR))[0]:08X}"
+
+# ``floor`` of a float in [0, 2**23) is the low mantissa bits of ``x + 2**23`` added rounding toward zero:
+# two full-rate instructions instead of a conversion on the quarter-rate pipe.
+_BUCKET_ASM = tl.constexpr(
+    "{ .reg .f32 t; .reg .b32 u; "
+    "abs.ftz.f32 t, $1; max.ftz.f32 t, t, 0f3F800000; lg2.approx.ftz.f32 t, t; "
+    f"mul.ftz.f32 t, t, {_LOG2_TO_BUCKET}; max.ftz.f32 t, t, 0f00000000; min.ftz.f32 t, t, $2; "
+    "add.rz.ftz.f32 t, t, 0f4B000000; mov.b32 u, t; sub.s32 $0, u, 0x4B000000; }"
+)
+_GATHER_ASM = tl.constexpr("{ .reg .u64 a; mad.wide.s32 a, $2, 4, $1; ld.global.nc.f32 $0, [a]; }")
+_SCATTER_ASM = tl.constexpr(
+    "{ .reg .pred p; .reg .u64 a; setp.ne.b32 p, $3, 0; mad.wide.s32 a, $2, 4, $1; "
+    "@p red.global.add.f32 [a], $4; mov.b32 $0, 0; }"
+)
+
+
+@triton.jit
+def gather(table, idx, PTX: tl.constexpr):
+    """``table[idx]`` for a float32 table and an int32 index tile whose every entry is in range."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            _GATHER_ASM, "=f,l,r", [table.to(tl.uint64), idx], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.load(table + idx)
+
+
+@triton.jit
+def time_bucket(dt, T_SIZE, PTX: tl.constexpr):
+    """``min(floor(ln(max(|dt|, 1)) / 0.301), T - 1)`` of float32 time differences, as int32."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            _BUCKET_ASM, "=r,f,f", [dt, (T_SIZE - 1).to(tl.float32)], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        bucket = tl.floor(tl.log(tl.maximum(tl.abs(dt), 1.0)) / _TIME_DIV).to(tl.int32)
+        return tl.minimum(tl.maximum(bucket, 0), T_SIZE - 1)
+
+
+@triton.jit
+def position_index(qi, kj, n_hist, P_SIZE):
+    """Position-table index of broadcastable query and key positions (targets sit at ``n_hist``)."""
+    return tl.minimum(tl.abs(tl.minimum(qi, n_hist) - tl.minimum(kj, n_hist)), P_SIZE - 1)
+
+
+@triton.jit
+def add_bias(s, qi, kj, n_hist, ts_q, ts_k, pb_ptr, tb_ptr, P_SIZE, T_SIZE, scale,
+             HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, PTX: tl.constexpr):
+    """``s + scale * (bias terms)`` for a score tile, and the tile's time buckets (0 without a time table).
+
+    ``qi``/``kj`` and ``ts_q``/``ts_k`` are broadcastable query and key positions and times, in either
+    orientation of the tile.
+    """
+    bucket = qi * 0 + kj * 0
+    if HAS_PB:
+        s += gather(pb_ptr, position_index(qi, kj, n_hist, P_SIZE), PTX) * scale
+    if HAS_TB:
+        bucket = time_bucket(ts_q - ts_k, T_SIZE, PTX)
+        s += gather(tb_ptr, bucket, PTX) * scale
+    return s, bucket
+
+
+@triton.jit
+def _take_target_rows(ds, m_start, n_start, n_hist, dpb_ptr, P_SIZE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds the target rows (queries at ``n_hist``) of a ``[queries, keys]`` dS tile per key into the
+    position-table gradient; returns the tile with those rows zeroed."""
+    if m_start + BLOCK_M > n_hist:
+        is_target = (m_start + tl.arange(0, BLOCK_M))[:, None] >= n_hist
+        per_key = tl.sum(tl.where(is_target, ds, 0.0), 0)
+        keys = n_start + tl.arange(0, BLOCK_N)
+        tl.atomic_add(dpb_ptr + position_index(n_hist, keys, n_hist, P_SIZE), per_key, sem="relaxed")
+        ds = tl.where(is_target, 0.0, ds)
+    return ds
+
+
+@triton.jit
+def add_position_grad(ds, m_start, n_start, n_hist, dpb_ptr, P_SIZE,
+                      HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds a ``[queries, keys]`` dS tile (``BLOCK_M >= BLOCK_N``) into the position-table gradient.
+
+    History query ``m_start + r`` and key ``n_start + c`` read the entry of distance ``d0 + r - c``
+    (``d0 = m_start - n_start``): each diagonal of the tile reads one entry. Gathering column ``c``
+    at rows ``(r' + c) mod BLOCK_M`` moves the diagonals into rows: row ``r'`` holds distance
+    ``d0 + r'``, or ``d0 + r' - BLOCK_M`` where the index wrapped, so two row sums and two atomics
+    per row replace one atomic per score. Target queries all sit at ``n_hist``, so their distance
+    depends on the key only: they are summed per key instead.
+    """
+    tl.static_assert(BLOCK_M >= BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    if HAS_TARGETS:
+        ds = _take_target_rows(ds, m_start, n_start, n_hist, dpb_ptr, P_SIZE, BLOCK_M, BLOCK_N)
+    shift = rows[:, None] + cols[None, :]
+    diagonals = tl.gather(ds, shift % BLOCK_M, 0)
+    wrapped = tl.sum(tl.where(shift >= BLOCK_M, diagonals, 0.0), 1)
+    unwrapped = tl.sum(diagonals, 1) - wrapped
+    distance = m_start - n_start + rows
+    tl.atomic_add(dpb_ptr + tl.minimum(tl.abs(distance), P_SIZE - 1), unwrapped, sem="relaxed")
+    tl.atomic_add(dpb_ptr + tl.minimum(tl.abs(distance - BLOCK_M), P_SIZE - 1), wrapped, sem="relaxed")
+
+
+@triton.jit
+def scatter_add(table, idx, value, mask, PTX: tl.constexpr):
+    """``table[idx] += value`` where ``mask``: one float32 atomic per active element (indices in range).
+
+    On the GPU each thread adds its own elements in the tile's register layout: Triton's atomics would
+    first move pointers, values and masks through shared memory into a coalescing layout (and recompute
+    what feeds them there), a cost paid for every element though few are active. This requires a
+    layout in which every element has one owner (a ``[BLOCK_M, BLOCK_N]`` dot result with
+    ``BLOCK_M >= 16 * num_warps``; :func:`kernels.triton.jagged_attention._configs` checks it).
+    """
+    if PTX:
+        tl.inline_asm_elementwise(
+            _SCATTER_ASM, "=r,l,r,r,f", [table.to(tl.uint64), idx, mask.to(tl.int32), value], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )
+    else:
+        tl.atomic_add(table + idx, value, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def _add_by_runs(table, bucket, following, value, BLOCK_M: tl.constexpr):
+    """``table[bucket[r]] += value[r]`` for the rows of a tile, one atomic per run of equal buckets.
+
+    Abel summation: ``sum_r v_r e_b(r) = sum_r C_r (e_b(r) - e_b(r+1)) + C_last e_b(last)`` with ``C``
+    the running sum, exact for any buckets; its terms vanish inside a run, and rows hold runs (a
+    tile's rows are consecutive queries, whose reference buckets change rarely for times in order).
+    ``following[r]`` is the bucket of row ``r + 1``; negative buckets (no entry) take no atomic.
+    """
+    last = tl.arange(0, BLOCK_M) == BLOCK_M - 1
+    running = tl.cumsum(value, 0)
+    edge = (bucket != following) | last
+    tl.atomic_add(table + tl.maximum(bucket, 0), running, mask=edge & (bucket >= 0), sem="relaxed")
+    tl.atomic_add(table + tl.maximum(following, 0), -running, mask=edge & ~last & (following >= 0), sem="relaxed")
+
+
+@triton.jit
+def add_time_grad(ds, bucket, bucket_ref, bucket_ref_next, dtb_ptr, PTX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Adds a ``[queries, keys]`` dS tile into the time-table gradient.
+
+    Along a row of a tile the time difference spans a narrow range except near the diagonal, so a
+    row's scores mostly fall in its reference bucket ``bucket_ref`` (that of its first key, the
+    largest difference for times in order) or the one below: those two are summed per row, and the
+    row sums go in by runs of rows (:func:`_add_by_runs`; ``bucket_ref_next`` is the next row's
+    reference); only the other scores add themselves. Exact for any times and any reference.
+    """
+    ref = bucket_ref[:, None]
+    in_ref = bucket == ref
+    in_below = bucket == ref - 1
+    outside = ~(in_ref | in_below)
+    # One reduction for the three row sums keeps them in the tile's register layout.
+    ref_sum, below_sum, n_outside = tl.reduce(
+        (tl.where(in_ref, ds, 0.0), tl.where(in_below, ds, 0.0), tl.where(outside, 1.0, 0.0)), 1, _add3
+    )
+    _add_by_runs(dtb_ptr, bucket_ref, bucket_ref_next, ref_sum, BLOCK_M)
+    _add_by_runs(dtb_ptr, bucket_ref - 1, bucket_ref_next - 1, below_sum, BLOCK_M)
+    # Far from the diagonal no score is outside, and the tile skips the per-score atomics.
+    if tl.max(n_outside, 0) > 0:
+        scatter_add(dtb_ptr, bucket, ds, outside, PTX)
