@@ -28,6 +28,18 @@ import aiohttp
 import mlflow
 
 CHROMIUM = "chromium"
+# MLflow 3's UI keeps these in localStorage (key `<name>_v<version>`): the "Model training" workflow instead of
+# GenAI, and its assistant panel neither open nor opened on first load.
+UI_SETTINGS = """
+localStorage.setItem("mlflow.workflowType_v1", JSON.stringify("machine_learning"));
+localStorage.setItem("mlflow.assistant.panelOpen_v1", "false");
+localStorage.setItem("mlflow.assistant.fab.autoOpenedOnFirstLoad_v1", "true");
+"""
+# Expand the quickstart's parent row in the runs table, so its stages show nested under it.
+EXPAND_PARENT = """
+[...document.querySelectorAll('.ag-row')].filter(r => r.innerText.includes('quickstart ('))
+  .forEach(r => r.querySelector('button')?.click());
+"""
 WINDOW = "1600,1000"
 
 
@@ -84,9 +96,12 @@ def chromium() -> Iterator[int]:
         proc.wait(timeout=30)
 
 
-async def capture(devtools_port: int, url: str, wait_for: str, path: Path, timeout: float = 90) -> None:
+async def capture(
+    devtools_port: int, url: str, wait_for: str, path: Path, *, then: str = "", timeout: float = 90
+) -> None:
     """Open ``url`` in the browser's page, wait until its text contains ``wait_for`` (the page has loaded
-    its data, not just its skeleton), let it settle, and save a PNG of the window."""
+    its data, not just its skeleton), run the script ``then`` (e.g. a click), let it settle, and save a PNG
+    of the window."""
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{devtools_port}/json/list") as response:
             page = next(t for t in await response.json() if t["type"] == "page")
@@ -104,15 +119,26 @@ async def capture(devtools_port: int, url: str, wait_for: str, path: Path, timeo
                         return reply["result"]
                 raise RuntimeError("the browser closed the connection")
 
+            async def load() -> None:
+                deadline = time.monotonic() + timeout
+                while True:
+                    text = await call("Runtime.evaluate", expression="document.body ? document.body.innerText : ''")
+                    if wait_for in text["result"].get("value", ""):
+                        return
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{url}: {wait_for!r} did not appear in {timeout} s")
+                    await asyncio.sleep(1)
+
             await call("Page.navigate", url=url)
-            deadline = time.monotonic() + timeout
-            while True:
-                text = await call("Runtime.evaluate", expression="document.body ? document.body.innerText : ''")
-                if wait_for in text["result"].get("value", ""):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{url}: {wait_for!r} did not appear in {timeout} s")
-                await asyncio.sleep(1)
+            await load()
+            # The UI's own switches, as a user leaves them (the training-runs view, the assistant panel closed),
+            # then the page again under them.
+            await call("Runtime.evaluate", expression=UI_SETTINGS)
+            await call("Page.reload")
+            await asyncio.sleep(1)
+            await load()
+            if then:
+                await call("Runtime.evaluate", expression=then)
             await asyncio.sleep(3)
             shot = await call("Page.captureScreenshot", format="png")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,11 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     with serve(Path(args.db)) as port, chromium() as devtools:
         base = f"http://127.0.0.1:{port}/#/experiments/{experiment_id}"
         shots = [
-            ("mlflow-experiment.png", f"{base}/runs", "quickstart"),
-            ("mlflow-training-run.png", f"{base}/runs/{run_id}", "train/loss"),
+            ("mlflow-experiment.png", f"{base}/runs", "quickstart (", EXPAND_PARENT),
+            ("mlflow-training-run.png", f"{base}/runs/{run_id}", "train/loss", ""),
+            ("mlflow-training-metrics.png", f"{base}/runs/{run_id}/model-metrics", "val/click/ne", ""),
         ]
-        for name, url, wait_for in shots:
-            asyncio.run(capture(devtools, url, wait_for, Path(args.out) / name))
+        for name, url, wait_for, then in shots:
+            asyncio.run(capture(devtools, url, wait_for, Path(args.out) / name, then=then))
             print(f"{url} ({run_name if 'runs/' in url else 'runs'}) -> {Path(args.out) / name}")
 
 

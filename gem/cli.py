@@ -482,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     from foundation.data.schema import SchemaError
     from foundation.data.validate import DataValidationError
     from gem.errors import ModelRoleError, ResumeError, TrainingError
-    from transfer.store import StoreError
     from gem.logs import configure_logging
+    from transfer.store import StoreError
 
     configure_logging()
     try:

@@ -130,10 +130,12 @@ def check_same_run(run_dir: Path, wanted: dict[str, Any], *, resume: bool) -> No
         )
 
 
-def record_config(run_dir: Path, config: dict[str, Any]) -> None:
-    """Write the run's config beside its checkpoints (once, when the run starts)."""
-    if not (run_dir / RUN_CONFIG_FILE).is_file():
-        atomic_write_text(run_dir / RUN_CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
+def record_config(run_dir: Path, config: dict[str, Any]) -> bool:
+    """Write the run's config beside its checkpoints (once, when the run starts); whether it was written now."""
+    if (run_dir / RUN_CONFIG_FILE).is_file():
+        return False
+    atomic_write_text(run_dir / RUN_CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
+    return True
 
 
 def remove_stale_temps(run_dir: Path) -> list[Path]:

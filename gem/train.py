@@ -37,7 +37,7 @@ from gem.datamodule import EventDataModule
 from gem.errors import ResumeError, TrainingError
 from gem.logs import route_library_loggers
 from gem.module import RecModule
-from gem.run_dir import check_same_run, record_config, remove_stale_temps, train_lock
+from gem.run_dir import RUN_CONFIG_FILE, check_same_run, record_config, remove_stale_temps, train_lock
 from gem.tracking import (
     MetricRecorder,
     TrainingRun,
@@ -300,7 +300,7 @@ def train(
         return {"run_id": None, "checkpoint": str(last), "checkpoint_sha256": "", "metrics": {}}
     with train_lock(out):
         remove_stale_temps(out)
-        record_config(out, cfg.to_dict())
+        wrote_config = record_config(out, cfg.to_dict())
         mlflow.set_tracking_uri(tracking_uri(cfg))
         experiment_id = ensure_experiment(cfg.train.experiment)
         # CPU, memory and (on GPU machines) device utilisation every few seconds, even for short runs.
@@ -316,7 +316,12 @@ def train(
             fit(cfg, module, datamodule, last, resuming, recorder, run.run_id)
             sha = log_outcome(cfg, last, run.run_id)
         except REJECTIONS as exc:
-            reject_run(run, out, trained=last.is_file(), reason=str(exc))
+            # A checkpoint with no config on record (a run directory from before config.json and mlflow_run_id
+            # were kept, or a copied-in file) is not this run's training: the refused run is deleted, the
+            # checkpoint kept, and the config this attempt recorded for it removed.
+            reject_run(run, out, trained=last.is_file() and not (run.created and resuming), reason=str(exc))
+            if wrote_config and resuming:
+                (out / RUN_CONFIG_FILE).unlink(missing_ok=True)
             raise
         except KeyboardInterrupt:
             mlflow.end_run("KILLED")
