@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         shots = [
             ("mlflow-experiment.png", f"{base}/runs", "quickstart (", EXPAND_PARENT),
             ("mlflow-training-run.png", f"{base}/runs/{run_id}", "train/loss", ""),
-            ("mlflow-training-metrics.png", f"{base}/runs/{run_id}/model-metrics", "val/click/ne", ""),
+            ("mlflow-training-plot.png", f"{base}/runs/{run_id}/artifacts/plots/training.png", "training.png", ""),
         ]
         for name, url, wait_for, then in shots:
             asyncio.run(capture(devtools, url, wait_for, Path(args.out) / name, then=then))

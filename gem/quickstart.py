@@ -98,14 +98,18 @@ def report_config(recipe: MissionRecipe, teacher: dict, data_path: str, out_dir:
 
 def train_models(
     recipe: MissionRecipe, out_dir: Path, *, seed: int = 0, seeds: int | None = None, state: dict | None = None,
-    parent: str | None = None,
+    parent: str | None = None, seconds: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Stages 1-4 (data, baseline, teacher, students) at training seed ``seed`` (students: ``seeds`` seeds from
-    ``seed``). ``state`` (updated in place) holds stages finished before, which are reused. Returns the state."""
+    ``seed``). ``state`` (updated in place) holds stages finished before, which are reused; ``seconds`` gets
+    each stage's wall time in this call. Returns the state."""
     state = {} if state is None else state
+    seconds = {} if seconds is None else seconds
+    clock = time.perf_counter()
     stage_header(1, f"data: synthetic world {recipe.preset!r} at {recipe.dataset}")
     data_path, generated = ensure_world(recipe.preset, recipe.dataset, recipe.synth_overrides, progress=True)
     state["data"] = {"path": data_path, "generated": generated}
+    seconds["data"], clock = time.perf_counter() - clock, time.perf_counter()
     for index, (key, flavor, overrides, title) in enumerate(
         [("baseline", recipe.baseline, recipe.baseline_overrides, "DLRM baseline"),
          ("teacher", recipe.teacher, recipe.teacher_overrides, "GEM teacher")],
@@ -116,15 +120,18 @@ def train_models(
             cfg = flavor_config(flavor, overrides, data_path, out_dir, seed)
             state[key] = train_and_score(cfg, f"{key}: {title} {flavor} (seed {seed})", parent)
             save_state(out_dir, state)
+        seconds[key], clock = time.perf_counter() - clock, time.perf_counter()
     stage_header(4, f"students: {recipe.student} alone, {', '.join(recipe.methods)} on {recipe.student_split!r}")
     cfg = report_config(recipe, state["teacher"], data_path, out_dir, seed, seeds or recipe.seeds)
     request = json.loads(json.dumps(dataclasses.asdict(cfg)))
     recorded = state.get("students")
-    if not (recorded and recorded["request"] == request and Path(recorded["report"]).is_file()):
+    if recorded and recorded["request"] == request and Path(recorded["report"]).is_file():
+        path = Path(recorded["report"])
+    else:
         path = run_transfer_report(cfg, parent_run_id=parent)
-        state["students"] = {"report": str(path), "request": request,
-                             **summarize_students(json.loads(path.read_text()), recipe)}
-        save_state(out_dir, state)
+    state["students"] = {"report": str(path), "request": request, **summarize_students(json.loads(path.read_text()), recipe)}
+    save_state(out_dir, state)
+    seconds["students"] = time.perf_counter() - clock
     return state
 
 
@@ -143,7 +150,8 @@ def _std_where_defined(stats: dict, task: str) -> float | None:
 
 
 def summarize_students(report: dict, recipe: MissionRecipe) -> dict[str, Any]:
-    """Per method NE/AUC (mean, std) and TR where the teacher has a gain; the packaged (last) method's first checkpoint."""
+    """Per method NE/AUC (mean, std), TR where the teacher has a gain, and checkpoints; which method is the
+    distilled student of the report and which is packaged (the last)."""
     methods = {}
     for name in (BASELINE, *recipe.methods):
         m = report["methods"][name]
@@ -155,7 +163,7 @@ def summarize_students(report: dict, recipe: MissionRecipe) -> dict[str, Any]:
             "checkpoints": m["checkpoints"],
         }
     return {"methods": methods, "teacher_gain": {t: report["teacher_gain"][t] for t in TASKS},
-            "packaged": recipe.methods[-1]}
+            "distilled": recipe.distilled, "packaged": recipe.methods[-1]}
 
 
 def export_store(state: dict, out_dir: Path, parent: str) -> dict:
@@ -215,7 +223,7 @@ def score_one_request(state: dict) -> dict:
 def mission_report(state: dict, recipe_name: str, seconds: dict[str, float]) -> dict[str, Any]:
     """``report.json``: the keys the quickstart promises (module doc), then the details behind them."""
     students = state["students"]["methods"]
-    packaged = state["students"]["packaged"]
+    distilled = state["students"]["distilled"]
 
     def pair(metrics: dict) -> dict[str, float | None]:
         return {f"{t}_ne": metrics.get(f"{t}_ne") if _defined(metrics.get(f"{t}_ne")) else None for t in TASKS}
@@ -227,12 +235,13 @@ def mission_report(state: dict, recipe_name: str, seconds: dict[str, float]) -> 
         "baseline": pair(state["baseline"]["metrics"]),
         "teacher": pair(state["teacher"]["metrics"]),
         "student_alone": student_pair(BASELINE),
-        "student_distilled": student_pair(packaged),
-        "transfer_ratio": {t: _mean(students[packaged]["tr"], t) for t in TASKS},
+        "student_distilled": student_pair(distilled),
+        "transfer_ratio": {t: _mean(students[distilled]["tr"], t) for t in TASKS},
         "serving_p99_ms": state["package"]["p99_ms"],
         "recipe": recipe_name,
-        "distilled_method": packaged,
-        "transfer_ratio_std": {t: _std_where_defined(students[packaged]["tr"], t) for t in TASKS},
+        "distilled_method": distilled,
+        "packaged_method": state["students"]["packaged"],
+        "transfer_ratio_std": {t: _std_where_defined(students[distilled]["tr"], t) for t in TASKS},
         "teacher_gain": state["students"]["teacher_gain"],
         "students": students,
         "baseline_run": state["baseline"], "teacher_run": state["teacher"],
@@ -284,7 +293,9 @@ def format_table(report: dict) -> str:
     lines.append("")
     lines.append(
         f"Students: mean ± std over {len(report['students'][BASELINE]['runs'])} seeds. TR = (NE_alone - NE_student) / "
-        f"(NE_alone - NE_teacher), shown where the teacher beats the student alone. Serving ({package['form']}, "
+        f"(NE_alone - NE_teacher), shown where the teacher beats the student alone at every seed. report.json's "
+        f"student_distilled is student + {report['distilled_method']}. Serving the student + "
+        f"{report['packaged_method']} ({package['form']}, "
         f"{package['max_candidates']} candidates, one CPU thread): p50 {package['p50_ms']:.2f} ms, "
         f"p99 {package['p99_ms']:.2f} ms (budget {package['budget_p99_ms']} ms); registered as {package['model_uri']}."
     )
@@ -310,17 +321,20 @@ def run_quickstart(recipe_name: str = "debug", out_dir: str | Path = "runs/quick
     save_state(out, state)
     parent, seconds, t0 = state["parent_run_id"], {}, time.perf_counter()
     try:
-        train_models(recipe, out, state=state, parent=parent)
-        seconds["train"] = time.perf_counter() - t0
+        train_models(recipe, out, state=state, parent=parent, seconds=seconds)
+        clock = time.perf_counter()
         stage_header(5, "export: teacher embeddings -> embedding store + FAISS index")
         state["export"] = export_store(state, out, parent)
         save_state(out, state)
+        seconds["export"], clock = time.perf_counter() - clock, time.perf_counter()
         stage_header(6, f"package: {recipe.methods[-1]} student, p99 budget {recipe.p99_ms} ms at {recipe.max_candidates} candidates")
         state["package"] = package_student(state, recipe, parent)
         save_state(out, state)
+        seconds["package"], clock = time.perf_counter() - clock, time.perf_counter()
         stage_header(7, f"request: {state['package']['model_uri']} scores one user")
         state["request"] = score_one_request(state)
         save_state(out, state)
+        seconds["request"] = time.perf_counter() - clock
     except BaseException:
         finish_parent_run(parent, "FAILED")
         raise
