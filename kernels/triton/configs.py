@@ -35,13 +35,18 @@ TUNE_KEY = ["N_BUCKET", "AVG_BUCKET", "DQK", "DV", "ACT", "CAUSAL", "HAS_TARGETS
 _LENGTH_KEYS = ("N_BUCKET", "AVG_BUCKET")
 
 
+# The variant ("plain" or "biased") each listed config serves, by object id. Kept off the config itself:
+# Triton's autotuning disk cache (TRITON_CACHE_AUTOTUNING=1) rebuilds configs from their attributes.
+_TAGS: dict[int, str] = {}
+
+
 def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
     """Tuples as configs, tagged by the variants they serve."""
     out = []
     for tag, rows in (("plain", plain), ("biased", biased)):
         for bm, bn, warps, stages in rows:
             config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-            config.gem_tag = tag
+            _TAGS[id(config)] = tag
             out.append(config)
     return out
 
@@ -65,13 +70,13 @@ def biased_dq_ok(config: triton.Config) -> bool:
     return config.kwargs["BLOCK_M"] >= max(config.kwargs["BLOCK_N"], 16 * config.num_warps)
 
 
-assert all(biased_dq_ok(c) for c in DQ_CONFIGS if c.gem_tag == "biased")
+assert all(biased_dq_ok(c) for c in DQ_CONFIGS if _TAGS[id(c)] == "biased")
 
 
 def configs_for(configs: list[triton.Config], meta: dict) -> list[triton.Config]:
     """The configs of ``configs`` that serve this variant (biased or not); the first is its heuristic."""
     tag = "biased" if meta.get("HAS_PB") or meta.get("HAS_TB") else "plain"
-    return [c for c in configs if c.gem_tag == tag]
+    return [c for c in configs if _TAGS.get(id(c)) == tag]
 
 
 def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:

@@ -94,3 +94,13 @@ def test_a_checked_in_biased_dq_tile_that_breaks_the_kernel_is_refused(table):
     table.write_text(json.dumps({DEVICE_KEY: {entry: [64, 32, 8, 2]}}))
     with pytest.raises(ValueError, match=r"_bwd_dq_kernel.*BLOCK_M >= max"):
         configs.checked_in_pick(torch.device("cpu"), entry)
+
+
+@pytest.mark.parametrize("listed", [configs.FWD_CONFIGS, configs.DQ_CONFIGS, configs.DKDV_CONFIGS])
+def test_configs_survive_the_autotuning_disk_cache(listed):
+    """Triton's disk cache (``TRITON_CACHE_AUTOTUNING=1``) stores ``config.__dict__`` and rebuilds each config
+    with ``Config(**stored)``: a config carrying any attribute of ours fails that rebuild on the second run."""
+    for config in listed:
+        rebuilt = triton.Config(**config.__dict__)
+        assert rebuilt.all_kwargs() == config.all_kwargs()
+    assert configs.configs_for(listed, {"HAS_PB": True}) and configs.configs_for(listed, {"HAS_PB": False})
