@@ -181,8 +181,10 @@ def run_pipeline(cfg: PipelineConfig) -> Path:
 
 def open_parent_run(cfg: PipelineConfig, state: dict) -> str:
     """The pipeline's MLflow run (recorded in the state, so a resumed pipeline continues it); stages nest under it."""
-    mlflow.set_tracking_uri(tracking_uri(get_flavor(cfg.student_flavor)))
-    experiment_id = ensure_experiment(get_flavor(cfg.student_flavor).train.experiment)
+    # The stages' store and experiment (the student overrides may set them): the parent must be where they are.
+    student = apply_overrides(get_flavor(cfg.student_flavor), list(cfg.student_overrides))
+    mlflow.set_tracking_uri(tracking_uri(student))
+    experiment_id = ensure_experiment(student.train.experiment)
     tags = {"gem.stage": "pipeline", "gem.preset": cfg.preset, "gem.out_dir": str(Path(cfg.out_dir).resolve())}
     state["mlflow_parent_run_id"] = start_parent_run(
         experiment_id, f"pipeline {cfg.preset}", tags, state.get("mlflow_parent_run_id")
