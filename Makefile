@@ -21,7 +21,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 install: $(STAMP)
 
 quickstart: $(STAMP)
-	$(BIN)/gem quickstart --json runs/quickstart/report.json
+	$(BIN)/gem quickstart
 	@echo "Runs are in ./mlflow.db. Browse them with: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 test: $(STAMP)

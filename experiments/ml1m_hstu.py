@@ -26,7 +26,7 @@ history removed from the candidates.
 
 Every evaluation scores the ``valid`` split (each user's second-to-last item) and the ``test`` split
 (the last item). ``final_test`` is the test of the last epoch; ``best_valid[k]`` the test at the
-evaluated epoch with the best valid ``k`` (``hr@10``, ``ndcg@10``). Under the HSTU protocol the
+evaluated epoch with the best valid ``k`` (``hr10``, ``ndcg10``). Under the HSTU protocol the
 second-to-last item is also a training target, so valid measures fit rather than generalisation:
 selection on it is one of the suspects the ML-1M sweep checks, not a clean model selection.
 
@@ -64,12 +64,12 @@ from gem.flavors import teacher_flavor
 from gem.loop import train_epoch
 
 TARGETS = {
-    "ml1m_hstu": {"hr@10": 0.3097, "ndcg@10": 0.1720},
-    "ml1m_hstu_large": {"hr@10": 0.3294, "ndcg@10": 0.1893},
+    "ml1m_hstu": {"hr10": 0.3097, "ndcg10": 0.1720},
+    "ml1m_hstu_large": {"hr10": 0.3294, "ndcg10": 0.1893},
     # The published SASRec: not a target to beat but the calibration of our data and protocol.
-    "sasrec": {"hr@10": 0.2853, "ndcg@10": 0.1603},
+    "sasrec": {"hr10": 0.2853, "ndcg10": 0.1603},
 }
-SELECTION_METRICS = ("hr@10", "ndcg@10")
+SELECTION_METRICS = ("hr10", "ndcg10")
 RAW_FORMATS = (("sequences.tsv", "seq-tsv"), ("ratings.dat", "movielens-dat"))
 
 

@@ -68,8 +68,8 @@ DATASETS = {"sequences": SEQUENCES, "ratings": f"{RATINGS} (ties=sequence)"}
 # The slowest flavors start first so that the sweep ends with the short runs filling the gaps.
 FLAVOR_COST = {"ml1m_hstu_large": 3, "sasrec": 1, "ml1m_hstu": 1}
 DEFAULT_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GEM_KERNELS_AUTOTUNE": "0"}
-METRICS = ("hr@10", "ndcg@10", "hr@50", "hr@200", "ndcg@200", "mrr")
-SELECT = "ndcg@10"
+METRICS = ("hr10", "ndcg10", "hr50", "hr200", "ndcg200", "mrr")
+SELECT = "ndcg10"
 
 
 @dataclass(frozen=True)
@@ -308,8 +308,8 @@ def group_rows(run_rows: list[dict], command: str, date: str) -> list[dict]:
     out = []
     for (flavor, data, variant), rows in groups.items():
         rows = sorted(rows, key=lambda r: r["seed"])
-        hr, hr_std = _mean_std([r["test"]["hr@10"] for r in rows])
-        ndcg, ndcg_std = _mean_std([r["test"]["ndcg@10"] for r in rows])
+        hr, hr_std = _mean_std([r["test"]["hr10"] for r in rows])
+        ndcg, ndcg_std = _mean_std([r["test"]["ndcg10"] for r in rows])
         group = {
             "flavor": flavor,
             "data": data,
@@ -325,13 +325,13 @@ def group_rows(run_rows: list[dict], command: str, date: str) -> list[dict]:
         }
         selected = [r["best_valid"][SELECT] for r in rows if SELECT in r.get("best_valid", {})]
         if len(selected) == len(rows):
-            best_hr, best_hr_std = _mean_std([s["test"]["hr@10"] for s in selected])
+            best_hr, best_hr_std = _mean_std([s["test"]["hr10"] for s in selected])
             group["best_valid"] = {
                 "select": f"valid {SELECT}",
                 "epochs": [s["epoch"] for s in selected],
                 "hr@10_mean": round(best_hr, 4),
                 "hr@10_std": round(best_hr_std, 4),
-                "ndcg@10_mean": round(statistics.fmean(s["test"]["ndcg@10"] for s in selected), 4),
+                "ndcg@10_mean": round(statistics.fmean(s["test"]["ndcg10"] for s in selected), 4),
             }
         out.append(group)
     return sorted(out, key=lambda g: (g["data"], g["flavor"], g["variant"] != "default", g["variant"]))
@@ -401,7 +401,7 @@ def sweep(args: argparse.Namespace) -> dict:
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
         test = row.get("test", {})
         print(f"[{len(summary['runs'])}/{len(runs)}] {row['name']}: {row['status']} in {row['seconds']} s, "
-              f"{row.get('epochs', 0)} epochs, HR@10 {test.get('hr@10', float('nan')):.4f}", flush=True)
+              f"{row.get('epochs', 0)} epochs, HR@10 {test.get('hr10', float('nan')):.4f}", flush=True)
 
     run_all(runs, datasets, args, extra_env, on_finish)
     print(format_table(summary), flush=True)

@@ -438,7 +438,8 @@ def target_ranks_chunked(
 
 
 def ranking_metrics(ranks: torch.Tensor, ks: Iterable[int] = (10, 50, 200)) -> dict[str, float]:
-    """``hr@K``, ``ndcg@K`` for each K, ``mrr`` and ``count`` from 0-based ``ranks[B]``.
+    """``hr<K>``, ``ndcg<K>`` (``hr10``: names MLflow accepts, the same in JSON and MLflow) for each K, ``mrr``
+    and ``count`` from 0-based ``ranks[B]``.
 
     HR@K = mean 1[rank < K]; NDCG@K = mean 1[rank < K] / log2(rank + 2) (one relevant item, so the
     ideal DCG is 1); MRR = mean 1 / (rank + 1). nan when ``ranks`` is empty.
@@ -449,8 +450,8 @@ def ranking_metrics(ranks: torch.Tensor, ks: Iterable[int] = (10, 50, 200)) -> d
         if k < 1:
             raise ValueError(f"K must be positive, got {k}")
         hit = r < k
-        out[f"hr@{k}"] = float(hit.double().mean()) if r.numel() else NAN
-        out[f"ndcg@{k}"] = float((hit / torch.log2(r + 2)).mean()) if r.numel() else NAN
+        out[f"hr{k}"] = float(hit.double().mean()) if r.numel() else NAN
+        out[f"ndcg{k}"] = float((hit / torch.log2(r + 2)).mean()) if r.numel() else NAN
     out["mrr"] = float((1.0 / (r + 1)).mean()) if r.numel() else NAN
     out["count"] = int(r.numel())
     return out

@@ -71,9 +71,12 @@ def load_flavor(name: str, overrides: list[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    cfg = load_flavor(args.flavor, args.overrides)
+    if args.print_config:
+        print(cfg.to_json())
+        return
     from gem.train import train
 
-    cfg = load_flavor(args.flavor, args.overrides)
     if not Path(cfg.data.path, "schema.json").is_file():
         raise CLIError(
             f"dataset {cfg.data.path!r} not found; create it with `gem data synth --preset debug|default|large "
@@ -282,10 +285,39 @@ def cmd_package(args: argparse.Namespace) -> None:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
+    from gem.pipeline import PipelineError
     from gem.quickstart import run_quickstart
+    from transfer.store import StoreError
+    from value_models.serving import BudgetError
 
-    report = run_quickstart(preset=args.preset, flavor=args.flavor, overrides=args.overrides)
+    try:
+        report = run_quickstart(args.recipe, args.out)
+    except (BudgetError, StoreError, PipelineError) as exc:
+        raise CLIError(str(exc)) from exc
     _write_json(args.json, report)
+
+
+def flavor_listing() -> str:
+    """One line per flavor of :mod:`gem.flavors`: its model, dataset directory and epochs."""
+    from gem.flavors import FLAVORS, get_flavor
+
+    lines = ["flavors (gem/flavors.py):"]
+    for name in FLAVORS:
+        cfg = get_flavor(name)
+        lines.append(f"  {name:<28} {cfg.model.arch:<8} {cfg.data.path:<22} {cfg.train.max_epochs} epochs")
+    return "\n".join(lines)
+
+
+class FlavorHelp(argparse.Action):
+    """``gem train --help``: the usual help, then the flavors (the registry is read only now: it loads torch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.print_help()
+        print("\n" + flavor_listing())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,9 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
     checksum.add_argument("dataset")
     checksum.set_defaults(fn=cmd_data_checksum)
 
-    tr = sub.add_parser("train", help="train a model flavor (resumes from the run's last checkpoint)")
-    tr.add_argument("--flavor", default="debug")
-    tr.add_argument("--no-resume", action="store_true")
+    tr = sub.add_parser(
+        "train", add_help=False, help="train a model flavor (resumes from the run's last checkpoint)",
+        description="Train a flavor into runs/<name>/ (train.out_dir). A rerun of the same command resumes it; "
+        "a run of another config there is refused (pass name=... for a separate run).",
+    )
+    tr.add_argument("-h", "--help", action=FlavorHelp, help="show this help and the flavors, then exit")
+    tr.add_argument("--flavor", default="debug", help="a named config (listed below)")
+    tr.add_argument("--no-resume", action="store_true", help="refuse to continue an existing run in the run directory")
+    tr.add_argument("--print-config", action="store_true", help="print the resolved config (flavor + overrides) and exit")
     tr.add_argument("--json")
     tr.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.max_epochs=3")
     tr.set_defaults(fn=cmd_train)
@@ -410,11 +448,15 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--json")
     pk.set_defaults(fn=cmd_package)
 
-    qs = sub.add_parser("quickstart", help="synthetic data -> training -> evaluation, all in MLflow")
-    qs.add_argument("--preset", default="default")
-    qs.add_argument("--flavor", default="default")
-    qs.add_argument("--json")
-    qs.add_argument("overrides", nargs="*")
+    qs = sub.add_parser(
+        "quickstart", help="the mission: world -> DLRM and GEM teacher -> students -> export -> packaged model -> a request",
+        description="Train the DLRM baseline and the GEM teacher, distil students, export embeddings, package the "
+        "student under its latency budget and score one request; print the comparison and write OUT/report.json. "
+        "A rerun reuses the finished stages.",
+    )
+    qs.add_argument("--recipe", default="debug", help="gem/flavors.py MISSION_RECIPES: debug (make quickstart), tiny")
+    qs.add_argument("--out", default="runs/quickstart", help="where its runs, store and report.json go")
+    qs.add_argument("--json", help="also write the report here")
     qs.set_defaults(fn=cmd_quickstart)
     return parser
 
@@ -434,13 +476,16 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Imported after parsing: `gem --help` stays fast (these load pyarrow).
     from foundation.data.io import CorruptFileError
     from foundation.data.schema import SchemaError
     from foundation.data.validate import DataValidationError
     from gem.errors import ModelRoleError, ResumeError, TrainingError
+    from gem.logs import configure_logging
     from transfer.store import StoreError
 
-    args = build_parser().parse_args(argv)
+    configure_logging()
     try:
         args.fn(args)
     except (

@@ -62,6 +62,8 @@ class TrainConfig:
     experiment: str = "gem"
     tracking_uri: str = ""
     progress_bar: bool = True
+    # Log the final checkpoint as an MLflow artifact (off for models too large to copy).
+    log_checkpoint: bool = True
 
 
 @dataclass

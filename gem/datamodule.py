@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
 
-from foundation.data.batch import BatchPosition
+from foundation.data.batch import BatchPosition, JaggedBatch
 from foundation.data.io import list_shards, open_shard
-from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, count_rows
 from foundation.data.schema import EventSchema
+
+
+def estimate_batches(cfg: DataConfig, split: str, world_size: int) -> int:
+    """Batches of one epoch of ``split`` per rank: rows over ``batch_size``, or tokens over ``token_budget``
+    when that binds first (tokens = rows x the mean capped history length of the split's first row group),
+    plus one partial batch per stream."""
+    rows = count_rows(cfg.path, split) / max(world_size, 1)
+    batches = rows / cfg.batch_size
+    if cfg.token_budget:
+        first = pq.ParquetFile(list_shards(cfg.path, split)[0])
+        if first.metadata.num_row_groups:
+            lengths = pc.list_value_length(first.read_row_group(0, columns=["history_item_ids"]).column(0))
+            capped = pc.min_element_wise(lengths.fill_null(0), cfg.max_len)
+            mean = pc.mean(capped).as_py() or 0.0
+            batches = max(batches, rows * mean / cfg.token_budget)
+    return math.ceil(batches) + max(cfg.num_workers, 1) - 1
 
 
 class EventDataModule(L.LightningDataModule):
@@ -27,6 +47,7 @@ class EventDataModule(L.LightningDataModule):
         self.consumed: dict[int, int] = {}
         self.next_worker_stream = 0
         self.train_stream: EventStream | None = None
+        self._estimates: dict[str, int] = {}
 
     def verify_shards(self) -> None:
         """Open every shard of the train and eval splits (checksum, columns), so that a corrupt or foreign
@@ -64,6 +85,22 @@ class EventDataModule(L.LightningDataModule):
         if self.train_stream is not None:
             self.train_stream.set_epoch(epoch)
             self.train_stream.set_skip(self.consumed, self.next_worker_stream)
+
+    def on_before_batch_transfer(self, batch: JaggedBatch, dataloader_idx: int) -> JaggedBatch:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None and module.training and hasattr(module, "count_batch"):
+            module.count_batch(batch)
+        return batch
+
+    def transfer_batch_to_device(self, batch: JaggedBatch, device: torch.device, dataloader_idx: int) -> JaggedBatch:
+        return batch.to(device, non_blocking=True)
+
+    def estimated_batches(self, kind: str) -> int:
+        """Expected batches of one epoch on this rank, ``kind`` ``train`` or ``eval`` (a progress bar's total)."""
+        split = self.cfg.train_split if kind == "train" else self.cfg.eval_split
+        if split not in self._estimates:
+            self._estimates[split] = estimate_batches(self.cfg, split, self._rank_world()[1])
+        return self._estimates[split]
 
     def record(self, position: BatchPosition) -> None:
         if position.epoch == self.epoch:

@@ -12,6 +12,7 @@ import torch
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, valid_item_mask
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import PredictionLog, RankingMetrics
+from gem.datamodule import estimate_batches
 from gem.module import RecModule, load_module, rank_batch
 
 
@@ -25,7 +26,11 @@ def predict_split(module: RecModule, data_cfg: DataConfig, split: str) -> Predic
     valid_items = valid_item_mask(data_cfg.path, module.schema.num_items) if next_item else None
     stream = EventStream(data_cfg.path, split, data_cfg, training=False)
     device = next(module.parameters()).device
-    for batch in tqdm(build_dataloader(stream, data_cfg), desc=f"eval {split}", unit="batch", leave=False):
+    batches = tqdm(
+        build_dataloader(stream, data_cfg), desc=f"eval {split}", unit="batch", leave=False,
+        total=estimate_batches(data_cfg, split, world_size=1),
+    )
+    for batch in batches:
         batch = batch.to(device)
         if next_item:
             rank_batch(module.model, batch, result, valid_items)

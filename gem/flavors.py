@@ -351,3 +351,83 @@ PRESET_FLAVORS: dict[str, tuple[str, str]] = {
     "debug": ("teacher-debug", "student-debug"),
     "default": ("teacher-small", "student-default"),
 }
+
+
+# -- the quickstart mission -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MissionRecipe:
+    """What ``gem quickstart`` runs (:mod:`gem.quickstart`): a synthetic world, the DLRM ``baseline`` and GEM
+    ``teacher`` trained on its ``train`` window, ``student`` flavors on the later ``student_split`` window
+    (alone and with each of ``methods``, the last one the transfer stack that is packaged and served), over
+    ``seeds`` student seeds, all scored on ``test``; the packaged student must meet ``p99_ms`` at
+    ``max_candidates`` on one CPU thread. ``distilled`` is the method the report's ``student_distilled`` and
+    transfer ratio are of. ``*_overrides`` are dotted overrides of each flavor."""
+
+    preset: str
+    baseline: str
+    teacher: str
+    student: str
+    methods: tuple[str, ...]
+    seeds: int = 3
+    student_split: str = "valid"
+    synth_overrides: tuple[str, ...] = ()
+    baseline_overrides: tuple[str, ...] = ()
+    teacher_overrides: tuple[str, ...] = ()
+    student_overrides: tuple[str, ...] = ()
+    max_candidates: int = 256
+    # Generous: the quickstart runs on shared machines, where a descheduled thread stretches wall p99 (a
+    # 1 ms p99 on a free core measured 5-13 ms at load averages 5-14, docs/benchmarks.md, "Value-model
+    # serving latency"); `gem package` defaults to 2 ms.
+    p99_ms: float = 20.0
+    data_path: str = ""
+    distilled: str = "kd"
+
+    def __post_init__(self) -> None:
+        if self.distilled not in self.methods:
+            raise ConfigError(f"MissionRecipe: distilled={self.distilled!r} is not one of its methods {list(self.methods)}")
+
+    @property
+    def dataset(self) -> str:
+        """Where the world is generated (``data/synth-<preset>`` unless set)."""
+        return self.data_path or f"data/synth-{self.preset}"
+
+
+# The GEM teacher's ranking recipe (`small`: no generative loss, no interleaving, no CLS or recent tokens)
+# at the debug widths.
+_RANKING_TEACHER = (
+    "model.teacher.generative=false", "model.teacher.interleave=false", "model.teacher.num_cls=0",
+    "model.teacher.num_recent=0",
+)
+
+MISSION_RECIPES: dict[str, MissionRecipe] = {
+    # `make quickstart`: the debug world, every stage of the mission in minutes on a 2-core CPU.
+    "debug": MissionRecipe(
+        preset="debug",
+        baseline="debug",
+        teacher="teacher-debug",
+        student="student-debug",
+        methods=("kd", "full"),
+        teacher_overrides=_RANKING_TEACHER,
+    ),
+    # Seconds: the chain on a tiny world, for tests and smoke runs (the comparison means nothing at this size).
+    "tiny": MissionRecipe(
+        preset="debug",
+        baseline="debug",
+        teacher="teacher-debug",
+        student="student-debug",
+        methods=("kd", "full"),
+        seeds=2,
+        synth_overrides=("num_users=300", "num_items=200", "num_examples=3000", "rows_per_shard=1000", "users_per_block=100"),
+        baseline_overrides=("train.max_epochs=1",),
+        teacher_overrides=(*_RANKING_TEACHER, "train.max_epochs=1"),
+        student_overrides=("train.max_epochs=1",),
+        data_path="data/quickstart-tiny",
+    ),
+}
+
+
+def mission_recipe(name: str) -> MissionRecipe:
+    """The named quickstart recipe (:data:`MISSION_RECIPES`)."""
+    return lookup(MISSION_RECIPES, "quickstart recipe", name)

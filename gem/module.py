@@ -71,6 +71,12 @@ class RecModule(L.LightningModule):
                 f"transfer.teacher_outputs is set, but model.arch={self.cfg.model.arch!r} takes no teacher outputs"
             )
         self._teacher_outputs: dict[str, TeacherOutputs] = {}
+        # The last step's losses (detached, read only when logged) and the last validation's metrics, which
+        # gem.callbacks.RecordAndCheckpoint logs to MLflow.
+        self.step_losses: dict[str, torch.Tensor] = {}
+        self.val_metrics: dict[str, float] = {}
+        self._val_losses: list[torch.Tensor] = []
+        self._val_rows = 0
 
     def build_sharing(self, from_checkpoint: bool) -> SharingResult | None:
         """Teacher parameters in the model when ``transfer.share_from`` is set (:mod:`transfer.sharing`).
@@ -128,16 +134,13 @@ class RecModule(L.LightningModule):
         if self.schema.task == "next_item":
             self.valid_items = valid_item_mask(self.cfg.data.path, self.schema.num_items)
 
-    def on_before_batch_transfer(self, batch: JaggedBatch, dataloader_idx: int) -> JaggedBatch:
-        if self.training:
-            if self.throughput is None:
-                self.throughput = Throughput(self.model, self.device, self.cfg.train.precision)
-            self.throughput.reset()
-            self.throughput.count(batch)
-        return batch
-
-    def transfer_batch_to_device(self, batch: JaggedBatch, device: torch.device, dataloader_idx: int) -> JaggedBatch:
-        return batch.to(device, non_blocking=True)
+    def count_batch(self, batch: JaggedBatch) -> None:
+        """Count a training batch's tokens and FLOPs on its host copy (the data module calls this before the
+        batch moves to the device, where reading offsets would sync)."""
+        if self.throughput is None:
+            self.throughput = Throughput(self.model, self.device, self.cfg.train.precision)
+        self.throughput.reset()
+        self.throughput.count(batch)
 
     def on_train_batch_start(self, batch: JaggedBatch, batch_idx: int) -> None:
         self.throughput.start_clock()
@@ -160,32 +163,41 @@ class RecModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and batch.position is not None:
             datamodule.record(batch.position)
-        for name, value in losses.items():
-            self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=batch.batch_size)
+        self.step_losses = {name: value.detach() for name, value in losses.items()}
+        # The progress bar's loss; MLflow gets every loss from step_metrics().
+        self.log("train/loss", losses["loss"], prog_bar=True, logger=False, batch_size=batch.batch_size)
         return losses["loss"].detach() * weight
 
-    def on_train_batch_end(self, outputs: Any, batch: JaggedBatch, batch_idx: int) -> None:
-        if (self.global_step % self.cfg.train.log_every_n_steps) != 0:
-            return
-        perf = self.throughput.metrics()
-        self.log_dict({f"perf/{k}": v for k, v in perf.items()}, batch_size=batch.batch_size)
+    def step_metrics(self) -> dict[str, float]:
+        """The last step's losses (``train/<name>``) and throughput since the clock started (``perf/<name>``)."""
+        metrics = {f"train/{name}": float(value) for name, value in self.step_losses.items()}
+        if self.throughput is not None:
+            metrics.update({f"perf/{k}": v for k, v in self.throughput.metrics().items()})
+        return metrics
 
     def validation_step(self, batch: JaggedBatch, batch_idx: int) -> None:
         out = self.forward_batch(batch, self.cfg.data.eval_split)
         losses = self.model.loss(batch, out)
-        self.log("val/loss", losses["loss"], prog_bar=True, batch_size=batch.batch_size)
+        self._val_losses.append(losses["loss"].detach().double() * batch.batch_size)
+        self._val_rows += batch.batch_size
         if self.schema.task == "next_item":
             rank_batch(self.model, batch, self.val_ranking, self.valid_items)
         else:
             self.val_log.add(batch, out.logits)
 
     def on_validation_epoch_end(self) -> None:
+        """Fill :attr:`val_metrics` (NE/AUC/calibration per task and domain, or ranking metrics, and ``val/loss``)."""
         metrics = self.val_log.metrics(self.schema.num_domains, prefix="val/")
         if self.schema.task == "next_item":
             metrics = {f"val/{k}": v for k, v in self.val_ranking.compute().items()}
+        if self._val_rows:
+            metrics["val/loss"] = float(torch.stack(self._val_losses).sum()) / self._val_rows
         self.val_log, self.val_ranking = PredictionLog(), RankingMetrics()
-        if not self.trainer.sanity_checking:
-            self.log_dict({k: v for k, v in metrics.items() if np.isfinite(v)}, batch_size=1)
+        self._val_losses, self._val_rows = [], 0
+        self.val_metrics = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
+        if "val/loss" in self.val_metrics and not self.trainer.sanity_checking:
+            self.log("val/loss", self.val_metrics["val/loss"], prog_bar=True, logger=False, batch_size=1,
+                     sync_dist=self.trainer.world_size > 1)
 
     def on_train_epoch_start(self) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)

@@ -30,6 +30,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
+
 from foundation.checkpoint import checkpoint_run_id
 from foundation.config import apply_overrides
 from foundation.data.io import atomic_write_text, sha256_file
@@ -38,7 +40,8 @@ from foundation.data.synthetic import STATS_FILE, generate_world
 from gem.flavors import PRESET_FLAVORS, STUDENT_METHODS, SYNTH_PRESETS, get_flavor, synth_preset
 from gem.module import load_module
 from gem.report import REPORT_JSON, ReportConfig, run_transfer_report
-from gem.train import train
+from gem.tracking import ensure_experiment, finish_parent_run, start_parent_run
+from gem.train import tracking_uri, train
 
 STATE_FILE = "pipeline.json"
 
@@ -93,10 +96,16 @@ def save_state(out_dir: Path, state: dict) -> None:
 
 
 def ensure_data(cfg: PipelineConfig) -> tuple[str, bool]:
-    """``(dataset path, generated now)``: the synthetic world is generated unless a finished one with the
-    same generator config is there."""
-    path = Path(cfg.data_path)
-    synth = apply_overrides(synth_preset(cfg.preset), list(cfg.synth_overrides))
+    """``(dataset path, generated now)`` of the pipeline's world (:func:`ensure_world`)."""
+    return ensure_world(cfg.preset, cfg.data_path, cfg.synth_overrides)
+
+
+def ensure_world(preset: str, data_path: str, synth_overrides: tuple[str, ...] = (), *, progress: bool = False) -> tuple[str, bool]:
+    """``(dataset path, generated now)``: the synthetic world ``preset`` (with ``field=value`` overrides) is
+    generated at ``data_path`` unless a finished one with the same generator config is there; one generated
+    with another config is an error (a dataset is never overwritten)."""
+    path = Path(data_path)
+    synth = apply_overrides(synth_preset(preset), list(synth_overrides))
     wanted = json.loads(json.dumps(dataclasses.asdict(synth)))
     if (path / SCHEMA_FILE).is_file():
         stats_file = path / STATS_FILE
@@ -109,11 +118,11 @@ def ensure_data(cfg: PipelineConfig) -> tuple[str, bool]:
                     "point data_path elsewhere or remove it"
                 )
         return str(path.resolve()), False
-    generate_world(synth, path, progress=False)
+    generate_world(synth, path, progress=progress)
     return str(path.resolve()), True
 
 
-def ensure_teacher(cfg: PipelineConfig, data_path: str, out_dir: Path, state: dict) -> dict:
+def ensure_teacher(cfg: PipelineConfig, data_path: str, out_dir: Path, state: dict, parent_run_id: str | None = None) -> dict:
     """The teacher checkpoint: the given one, the recorded finished one, or one trained (resumed) now."""
     if cfg.teacher_ckpt:
         ckpt = Path(cfg.teacher_ckpt)
@@ -129,7 +138,7 @@ def ensure_teacher(cfg: PipelineConfig, data_path: str, out_dir: Path, state: di
     teacher_cfg = apply_overrides(get_flavor(cfg.teacher_flavor), list(cfg.teacher_overrides))
     teacher_cfg.data.path = data_path
     teacher_cfg.train.out_dir = str(out_dir / "runs")
-    result = train(teacher_cfg, resume=True)
+    result = train(teacher_cfg, resume=True, parent_run_id=parent_run_id, run_name=f"teacher {cfg.teacher_flavor}")
     return {
         "flavor": cfg.teacher_flavor,
         "checkpoint": str(Path(result["checkpoint"]).resolve()),
@@ -159,8 +168,33 @@ def run_pipeline(cfg: PipelineConfig) -> Path:
     state = load_state(out_dir)
     data_path, generated = ensure_data(cfg)
     state["data"] = {"path": data_path}
+    parent = open_parent_run(cfg, state)
     save_state(out_dir, state)
-    teacher = ensure_teacher(cfg, data_path, out_dir, state)
+    try:
+        path = run_stages(cfg, out_dir, state, data_path, generated, parent)
+    except BaseException:
+        finish_parent_run(parent, "FAILED")
+        raise
+    finish_parent_run(parent)
+    return path
+
+
+def open_parent_run(cfg: PipelineConfig, state: dict) -> str:
+    """The pipeline's MLflow run (recorded in the state, so a resumed pipeline continues it); stages nest under it."""
+    # The stages' store and experiment (the student overrides may set them): the parent must be where they are.
+    student = apply_overrides(get_flavor(cfg.student_flavor), list(cfg.student_overrides))
+    mlflow.set_tracking_uri(tracking_uri(student))
+    experiment_id = ensure_experiment(student.train.experiment)
+    tags = {"gem.stage": "pipeline", "gem.preset": cfg.preset, "gem.out_dir": str(Path(cfg.out_dir).resolve())}
+    state["mlflow_parent_run_id"] = start_parent_run(
+        experiment_id, f"pipeline {cfg.preset}", tags, state.get("mlflow_parent_run_id")
+    )
+    return state["mlflow_parent_run_id"]
+
+
+def run_stages(cfg: PipelineConfig, out_dir: Path, state: dict, data_path: str, generated: bool, parent: str) -> Path:
+    """The teacher and report stages of :func:`run_pipeline`, recorded in ``state`` as they finish."""
+    teacher = ensure_teacher(cfg, data_path, out_dir, state, parent)
     state["teacher"] = {k: v for k, v in teacher.items() if k != "trained"}
     save_state(out_dir, state)
     report_cfg = ReportConfig(
@@ -183,7 +217,7 @@ def run_pipeline(cfg: PipelineConfig) -> Path:
     if not reused:
         state.pop("report_request", None)
         save_state(out_dir, state)
-        path = run_transfer_report(report_cfg)
+        path = run_transfer_report(report_cfg, parent_run_id=parent)
     state["report_request"] = request
     state["stages"] = {"data": "generated" if generated else "reused",
                        "teacher": "trained" if teacher["trained"] else "reused",

@@ -13,8 +13,9 @@
 
        TR = (NE_alone − NE_method) / (NE_alone − NE_teacher)
 
-   then mean and spread (sample std; 0 for one seed) over seeds. TR is NaN where the teacher's NE
-   equals the baseline's (no gain to transfer).
+   then mean and spread (sample std; 0 for one seed) over seeds. TR is only defined where the teacher
+   beats the student alone (a gain to transfer): a seed without that gain gets NaN, and a key with any
+   such seed has no TR (``null`` in the JSON, "—" in the table, no bar in the plot).
 
 Finished students are recorded in ``DIR/students.json`` (config digest, checkpoint sha256, test metrics); a
 rerun reuses every student whose config and checkpoint still match and trains the rest, and finished
@@ -33,10 +34,12 @@ import copy
 import hashlib
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from foundation.config import apply_overrides
 from foundation.data.io import atomic_write_text, sha256_file
@@ -51,7 +54,9 @@ from gem.flavors import (
     sharing_overrides,
 )
 from gem.module import load_module, load_trained
-from gem.train import tracking_uri, train
+from gem.run_dir import holds_run, identity_differences, saved_config
+from gem.tracking import nest_under
+from gem.train import run_dir, tracking_uri, train
 from transfer.lineage import log_lineage_run
 from transfer.sharing import POLICIES
 from transfer.teacher_outputs import OutputSchema, write_teacher_outputs
@@ -71,7 +76,8 @@ class ReportConfig:
 
     ``data_path`` defaults to the teacher's dataset; ``flavor`` is a student flavor and ``overrides``
     apply to it (e.g. ``train.max_steps=50``); ``methods`` are keys of ``STUDENT_METHODS`` (``alone``,
-    the baseline, is always run); ``student_split`` is the split the students train on.
+    the baseline, is always run); students train with seeds ``first_seed .. first_seed + seeds - 1``;
+    ``student_split`` is the split the students train on.
     ``teacher_run_id`` names the teacher's MLflow run when it is not recorded beside the checkpoint (a
     teacher trained elsewhere); ``share_policy`` / ``share_lr_scale`` configure the sharing methods. Their
     default, ``freeze``: fine-tuning the teacher's tables at the full learning rate overfits a student trained
@@ -85,6 +91,7 @@ class ReportConfig:
     flavor: str = "student-debug"
     methods: tuple[str, ...] = tuple(STUDENT_METHODS)
     seeds: int = 2
+    first_seed: int = 0
     student_split: str = "train"
     rows_per_shard: int = 65536
     overrides: tuple[str, ...] = ()
@@ -133,21 +140,25 @@ def student_splits(base: ExperimentConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys((base.data.train_split, base.data.eval_split, base.data.test_split)))
 
 
-def write_split_outputs(cfg: ReportConfig, data_path: str, splits: tuple[str, ...], uri: str) -> tuple[dict[str, str], dict]:
-    """Teacher outputs of every split under ``out_dir/teacher_outputs/<split>``: ``(split -> dir, a manifest)``.
+def write_split_outputs(
+    cfg: ReportConfig, data_path: str, splits: tuple[str, ...], uri: str
+) -> tuple[dict[str, str], dict, list[str]]:
+    """Teacher outputs of every split under ``out_dir/teacher_outputs/<split>``: ``(split -> dir, a manifest,
+    their MLflow run ids)``.
 
     All splits come from the same checkpoint, so any one manifest gives the teacher and the output schema.
     """
-    dirs, manifest = {}, {}
+    dirs, manifest, run_ids = {}, {}, []
     teacher = load_trained(cfg.teacher_ckpt)
     for split in splits:
         out = Path(cfg.out_dir) / "teacher_outputs" / split
         stats = write_teacher_outputs(
-            teacher, data_path, split, out, rows_per_shard=cfg.rows_per_shard, progress=False,
+            teacher, data_path, split, out, rows_per_shard=cfg.rows_per_shard, progress=True,
             tracking_uri=uri, run_id=cfg.teacher_run_id or None,
         )
         dirs[split], manifest = str(out), stats["manifest"]
-    return dirs, manifest
+        run_ids.append(stats["run_id"])
+    return dirs, manifest, run_ids
 
 
 def student_config(
@@ -196,14 +207,15 @@ def split_metrics(ckpt: str, split: str, data_path: str | None = None) -> dict[s
 
 
 def transfer_ratios(method: dict[str, float], alone: dict[str, float], teacher: dict[str, float]) -> dict[str, float]:
-    """TR per NE key (``click/ne`` -> ``click``, ``click/ne/d0`` -> ``click/d0``); NaN where the teacher gains nothing."""
+    """TR per NE key (``click/ne`` -> ``click``, ``click/ne/d0`` -> ``click/d0``); NaN where the teacher does not
+    beat the student alone (no gain, so no share of one)."""
     out = {}
     for key, ne in method.items():
         task, metric, *domain = key.split("/")
         if metric != "ne" or key not in teacher:
             continue
         gain = alone[key] - teacher[key]
-        out["/".join([task, *domain])] = (alone[key] - ne) / gain if gain != 0 else float("nan")
+        out["/".join([task, *domain])] = (alone[key] - ne) / gain if gain > 0 else float("nan")
     return out
 
 
@@ -219,7 +231,8 @@ def teacher_gain(alone: list[dict[str, float]], teacher: dict[str, float]) -> di
     for key, ne in teacher.items():
         task, metric, *domain = key.split("/")
         if metric == "ne":
-            gains["/".join([task, *domain])] = spread([a[key] - ne for a in alone])
+            values = [a[key] - ne for a in alone]
+            gains["/".join([task, *domain])] = {**spread(values), "per_seed": values}
     return gains
 
 
@@ -237,6 +250,8 @@ def summarize_method(per_seed: list[dict[str, float]], alone: list[dict[str, flo
 
 
 def _cell(stat: dict[str, float]) -> str:
+    if not np.isfinite(stat["mean"]):
+        return "— (no teacher gain)"
     return f"{stat['mean']:.4f} ± {stat['std']:.4f}"
 
 
@@ -261,55 +276,80 @@ def _gain_note(gain: float) -> str:
 
 
 def plot_ratios(report: dict, path: Path) -> None:
-    """Bar chart of TR (mean, std error bars) per method and task."""
+    """Bar chart of TR (mean, std error bars) per method, for the tasks where the teacher has a gain."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     methods = [m for m in report["methods"] if m != BASELINE]
-    tasks = [t for t in TASKS if t in report["methods"][BASELINE]["tr"]]
+    tasks = [
+        t for t in TASKS
+        if t in report["methods"][BASELINE]["tr"] and all(np.isfinite(report["methods"][m]["tr"][t]["mean"]) for m in methods)
+    ]
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(methods), 3.5))
+    if not tasks:
+        ax.text(0.5, 0.5, "no task where the teacher beats the student alone:\nno transfer ratio to show",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
     width = 0.8 / max(len(tasks), 1)
     for i, task in enumerate(tasks):
         stats = [report["methods"][m]["tr"][task] for m in methods]
         x = np.arange(len(methods)) + i * width
         ax.bar(x, [s["mean"] for s in stats], width, yerr=[s["std"] for s in stats], label=task, capsize=3)
     ax.set_xticks(np.arange(len(methods)) + width * (len(tasks) - 1) / 2, methods)
-    ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_ylabel("transfer ratio (ΔNE student / ΔNE teacher)")
-    ax.legend()
+    if tasks:
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_ylabel("transfer ratio (ΔNE student / ΔNE teacher)")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def train_students(cfg: ReportConfig, base: ExperimentConfig, dirs: dict[str, str], manifest: dict) -> dict[str, list[dict]]:
+def train_students(
+    cfg: ReportConfig, base: ExperimentConfig, dirs: dict[str, str], manifest: dict, parent_run_id: str | None = None
+) -> dict[str, list[dict]]:
     """Method -> per seed ``{"run_id", "checkpoint", "metrics"}`` with test-split NE/AUC.
 
     Students already in the ledger (module doc) are reused; each newly trained one is added to it at once.
+    A student directory the ledger does not vouch for (another config, or a run cut short) is started over.
     """
     out = Path(cfg.out_dir)
     ledger = load_ledger(out)
     share = sharing_overrides(str(Path(cfg.teacher_ckpt).resolve()), cfg.share_policy, cfg.share_lr_scale)
     runs: dict[str, list[dict]] = {m: [] for m in cfg.methods}
-    for seed in range(cfg.seeds):
-        for method in cfg.methods:
-            student = student_config(base, method, seed, dirs, manifest, share)
-            entry = reusable_student(ledger, student)
-            if entry is None:
-                trained = train(student, resume=False)
-                entry = {
-                    "config_sha256": config_digest(student),
-                    "run_id": trained["run_id"],
-                    "checkpoint": trained["checkpoint"],
-                    "checkpoint_sha256": trained["checkpoint_sha256"],
-                    "metrics": split_metrics(trained["checkpoint"], base.data.test_split),
-                }
-                ledger[student.name] = entry
-                atomic_write_text(out / LEDGER_FILE, json.dumps(ledger, indent=2, sort_keys=True))
-            runs[method].append({k: entry[k] for k in ("run_id", "checkpoint", "metrics")})
+    jobs = [(seed, method) for seed in seeds_of(cfg) for method in cfg.methods]
+    for seed, method in tqdm(jobs, desc="students", unit="student"):
+        student = student_config(base, method, seed, dirs, manifest, share)
+        entry = reusable_student(ledger, student)
+        if entry is None:
+            discard_run(student)
+            trained = train(student, parent_run_id=parent_run_id)
+            entry = {
+                "config_sha256": config_digest(student),
+                "run_id": trained["run_id"],
+                "checkpoint": trained["checkpoint"],
+                "checkpoint_sha256": trained["checkpoint_sha256"],
+                "metrics": split_metrics(trained["checkpoint"], base.data.test_split),
+            }
+            ledger[student.name] = entry
+            atomic_write_text(out / LEDGER_FILE, json.dumps(ledger, indent=2, sort_keys=True))
+        runs[method].append({k: entry[k] for k in ("run_id", "checkpoint", "metrics")})
     return runs
+
+
+def seeds_of(cfg: ReportConfig) -> list[int]:
+    return list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
+
+
+def discard_run(cfg: ExperimentConfig) -> None:
+    """Remove a student's run directory that holds a run of another config (the report's own output)."""
+    path = run_dir(cfg)
+    if holds_run(path):
+        saved = saved_config(path)
+        if saved is None or identity_differences(saved, cfg.to_dict()):
+            shutil.rmtree(path)
 
 
 def build_report(cfg: ReportConfig, base: ExperimentConfig, manifest: dict, teacher: dict, runs: dict[str, list[dict]]) -> dict:
@@ -326,7 +366,7 @@ def build_report(cfg: ReportConfig, base: ExperimentConfig, manifest: dict, teac
         "student_flavor": base.name,
         "student_split": base.data.train_split,
         "test_split": base.data.test_split,
-        "seeds": list(range(cfg.seeds)),
+        "seeds": seeds_of(cfg),
         "teacher_gain": teacher_gain(alone, teacher),
         "methods": {
             m: {
@@ -359,20 +399,25 @@ def log_report(report: dict, files: list[Path], uri: str, experiment: str) -> st
     )
 
 
-def run_transfer_report(cfg: ReportConfig) -> Path:
-    """Run the whole comparison (module doc) and return the path of ``transfer_report.json``."""
+def run_transfer_report(cfg: ReportConfig, *, parent_run_id: str | None = None) -> Path:
+    """Run the whole comparison (module doc) and return the path of ``transfer_report.json``; with
+    ``parent_run_id`` its MLflow runs (teacher outputs, students, the report) are filed under that run."""
     data_path = str(Path(cfg.data_path or load_module(cfg.teacher_ckpt).cfg.data.path).resolve())
     base = student_base(cfg, data_path)
     uri = tracking_uri(base)
-    dirs, manifest = write_split_outputs(cfg, data_path, student_splits(base), uri)
+    dirs, manifest, output_runs = write_split_outputs(cfg, data_path, student_splits(base), uri)
+    if parent_run_id:
+        nest_under(parent_run_id, output_runs)
     teacher = split_metrics(cfg.teacher_ckpt, base.data.test_split, data_path)
-    report = build_report(cfg, base, manifest, teacher, train_students(cfg, base, dirs, manifest))
+    report = build_report(cfg, base, manifest, teacher, train_students(cfg, base, dirs, manifest, parent_run_id))
     out = Path(cfg.out_dir)
     json_path, md_path, png_path = out / REPORT_JSON, out / REPORT_MD, out / REPORT_PNG
     atomic_write_text(md_path, format_markdown(report))
     plot_ratios(report, png_path)
     atomic_write_text(json_path, report_json(report))
     report["mlflow_run_id"] = log_report(report, [json_path, md_path, png_path], uri, base.train.experiment)
+    if parent_run_id:
+        nest_under(parent_run_id, [report["mlflow_run_id"]])
     atomic_write_text(json_path, report_json(report))
     return json_path
 

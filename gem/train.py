@@ -2,9 +2,10 @@
 
 The path a newcomer should read: ``train(cfg)`` builds the :class:`~gem.datamodule.EventDataModule`
 (Parquet -> ``JaggedBatch``), the :class:`~gem.module.RecModule` (any model from :mod:`gem.registry`), a
-Lightning ``Trainer`` with ``ModelCheckpoint`` and an ``MLFlowLogger``, then fits, resuming from
-``last.ckpt`` when the run directory has one. The run is tagged with the teacher it learns from
-(:func:`transfer_lineage`) and logs its config and the kernel switches in effect as params.
+Lightning ``Trainer`` whose :class:`~gem.callbacks.RecordAndCheckpoint` logs metrics to MLflow and writes
+``last.ckpt``, then fits, resuming from ``last.ckpt`` when the run directory (:mod:`gem.run_dir`) has one.
+The run is tagged with the teacher it learns from (:func:`transfer_lineage`), logs its config and the kernel
+switches in effect as params, and at the end its checkpoint and a plot of its loss and metrics.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from contextlib import nullcontext
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +21,43 @@ import lightning as L
 import mlflow
 import mlflow.system_metrics
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 
-from foundation.checkpoint import RUN_ID_FILE, load_checkpoint_file
+from foundation.checkpoint import load_checkpoint_file
 from foundation.config import ConfigError
-from foundation.data.io import atomic_path, sha256_file
+from foundation.data.io import CorruptFileError, atomic_path, sha256_file
 from foundation.data.pipeline import count_rows
+from foundation.data.schema import TASKS, SchemaError
+from foundation.data.validate import DataValidationError
+from gem.callbacks import GemProgressBar, RecordAndCheckpoint
 from gem.config import ExperimentConfig
 from gem.datamodule import EventDataModule
 from gem.errors import ResumeError, TrainingError
+from gem.logs import route_library_loggers
 from gem.module import RecModule
+from gem.run_dir import RUN_CONFIG_FILE, check_same_run, record_config, remove_stale_temps, train_lock
+from gem.tracking import (
+    MetricRecorder,
+    TrainingRun,
+    ensure_experiment,
+    log_training_plots,
+    open_training_run,
+    reject_run,
+)
 from kernels.settings import effective_kernel_settings, kernel_environment
-from transfer.teacher_outputs import MANIFEST_FILE
+from transfer.sharing import SharingError
+from transfer.teacher_outputs import MANIFEST_FILE, TeacherOutputsError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# Errors that mean the input (config, dataset, teacher outputs) is bad, not the code: the run is refused.
+REJECTIONS = (
+    ConfigError, DataValidationError, CorruptFileError, SchemaError, FileNotFoundError, SharingError,
+    TeacherOutputsError, TrainingError, ResumeError,
+)
+PARAMS_LOGGED_TAG = "gem.params_logged"
+PLOTTED_METRICS = ("train/loss", "val/loss", *(f"val/{task}/ne" for task in TASKS), "val/hr10", "val/ndcg10")
 
 
 def tracking_uri(cfg: ExperimentConfig | None = None) -> str:
@@ -67,25 +89,17 @@ def run_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.train.out_dir) / cfg.name
 
 
-class TrainedCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that writes no ``last.ckpt`` at the end of a fit that took no step: that file
-    would hold an untrained model that a later run resumes from or a later stage reads as trained."""
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.global_step > 0:
-            super().on_train_end(trainer, pl_module)
-
-
-def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Trainer:
-    checkpoint = TrainedCheckpoint(
-        dirpath=run_dir(cfg) / "checkpoints",
-        save_last=True,
-        save_top_k=0,
-        every_n_train_steps=cfg.train.checkpoint_every_n_steps,
-    )
-    callbacks = [checkpoint]
+def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: MetricRecorder | None) -> L.Trainer:
+    callbacks: list[L.Callback] = [
+        RecordAndCheckpoint(
+            run_dir(cfg) / "checkpoints" / "last.ckpt",
+            every_n_steps=cfg.train.checkpoint_every_n_steps,
+            log_every_n_steps=cfg.train.log_every_n_steps,
+            recorder=recorder,
+        )
+    ]
     if cfg.train.progress_bar:
-        callbacks.append(TQDMProgressBar(refresh_rate=10))
+        callbacks.append(GemProgressBar(refresh_rate=10))
     placement: dict[str, Any] = {"devices": cfg.train.devices, "plugins": [AtomicCheckpointIO()]}
     if cfg.parallel.enabled:
         from foundation.parallel.strategy import GemParallelStrategy, launch_world
@@ -103,10 +117,24 @@ def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None) -> L.Train
         num_sanity_val_steps=0,
         logger=logger if logger is not None else False,
         callbacks=callbacks,
+        enable_checkpointing=False,
         enable_progress_bar=cfg.train.progress_bar,
         enable_model_summary=False,
         deterministic=True,
     )
+
+
+class RecorderLogger(MLFlowLogger):
+    """Lightning's MLflow logger for what the strategy logs itself (``train/global_loss``, ...), written through
+    the run's :class:`~gem.tracking.MetricRecorder` so a resumed run logs no step twice."""
+
+    def __init__(self, recorder: MetricRecorder, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.recorder = recorder
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self.recorder.log({k: v for k, v in metrics.items() if k != "epoch"}, step or 0)
 
 
 def check_trained(trainer: L.Trainer, cfg: ExperimentConfig) -> None:
@@ -173,25 +201,84 @@ def record_resumed_config(run_id: str, cfg: ExperimentConfig) -> None:
     mlflow.log_dict(cfg.to_dict(), f"config_resume_{resumes}.json")
 
 
-def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
-    """Fit ``cfg`` and return ``{"run_id", "checkpoint", "checkpoint_sha256", "metrics"}``.
+def log_run_record(run: TrainingRun, cfg: ExperimentConfig, tags: dict[str, str]) -> None:
+    """Params, tags and ``config.json`` of a new run (or of one whose first attempt a kill cut short before
+    they were all logged: the rest are logged now); a continued one records what changed
+    (:func:`record_resumed_config`)."""
+    recorded = mlflow.get_run(run.run_id).data
+    if recorded.tags.get(PARAMS_LOGGED_TAG) != "true":
+        mlflow.log_params({k: v for k, v in run_params(cfg).items() if k not in recorded.params})
+        mlflow.log_dict(cfg.to_dict(), "config.json")
+        mlflow.set_tags({**tags, PARAMS_LOGGED_TAG: "true"})
+    elif not run.created:
+        mlflow.set_tags(tags)
+        record_resumed_config(run.run_id, cfg)
 
-    With ``resume`` and an existing ``last.ckpt`` under the run directory, training continues from it
-    (model, optimizer, RNG and data position), in the same MLflow run.
+
+def fit(cfg: ExperimentConfig, module: RecModule, datamodule: EventDataModule, last: Path, resuming: bool,
+        recorder: MetricRecorder | None, run_id: str | None) -> L.Trainer:
+    """Fit (resuming from ``last`` when ``resuming``) and write the final ``last.ckpt``; every rank calls this."""
+    logger = None
+    if recorder is not None:
+        logger = RecorderLogger(recorder, experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run_id)
+    trainer = build_trainer(cfg, logger, recorder)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
+    except ResumeError as exc:
+        raise ResumeError(
+            f"{last}: cannot resume this run: {exc}; train under another train.out_dir or name, or pass "
+            "--no-resume to start over (it replaces that checkpoint)"
+        ) from None
+    check_trained(trainer, cfg)
+    trainer.save_checkpoint(last, weights_only=False)
+    if cfg.parallel.enabled:
+        trainer.strategy.export_single_file_checkpoint(last)
+    return trainer
+
+
+def log_outcome(cfg: ExperimentConfig, last: Path, run_id: str) -> str:
+    """The finished run's checkpoint record (and the file itself with ``train.log_checkpoint``), quarantine
+    count and plots; returns the checkpoint's sha256."""
+    sha = sha256_file(last)
+    mlflow.log_metric("data/quarantined_rows", quarantine_count(cfg.data.path))
+    mlflow.log_dict({"path": str(last.resolve()), "sha256": sha}, "checkpoint.json")
+    if cfg.train.log_checkpoint:
+        mlflow.log_artifact(str(last), "checkpoints")
+    log_training_plots(run_id, PLOTTED_METRICS)
+    return sha
+
+
+def default_run_name(cfg: ExperimentConfig) -> str:
+    """``train <name> (<arch>)``: what the run trains, since flavors are reused across run directories."""
+    return f"train {cfg.name} ({cfg.model.arch})"
+
+
+def train(
+    cfg: ExperimentConfig, *, resume: bool = True, parent_run_id: str | None = None, run_name: str | None = None
+) -> dict[str, Any]:
+    """Fit ``cfg`` in its run directory (:mod:`gem.run_dir`) and return ``{"run_id", "checkpoint",
+    "checkpoint_sha256", "metrics"}``.
+
+    The directory holds one run. With ``resume`` an existing run of the same config continues from its
+    ``last.ckpt`` (model, optimizer, RNG and data position) in the same MLflow run, which is also the case
+    for a run killed before its first checkpoint; a run of another config there, or any run without
+    ``resume``, is refused (:class:`~gem.run_dir.RunConflict`) before anything is written. A run refused by
+    a bad config or dataset leaves no MLflow run behind (:func:`gem.tracking.reject_run`). ``parent_run_id``
+    files the run under a pipeline's run; ``run_name`` replaces :func:`default_run_name`.
 
     With ``parallel.enabled`` (one process, or every process of a ``torchrun`` job) the
     :class:`~foundation.parallel.strategy.GemParallelStrategy` trains: checkpoints are DCP step
     directories under ``last.dcp/`` (resumed at any world size), ``last.ckpt`` is a single-file export
     written at the end, and only rank 0 opens the MLflow run (the other ranks return ``run_id`` None).
     """
-    L.seed_everything(cfg.train.seed, workers=True)
+    route_library_loggers()
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    out = run_dir(cfg)
+    check_same_run(out, cfg.to_dict(), resume=resume)
     datamodule = EventDataModule(cfg.data)
     datamodule.verify_shards()
     module = RecModule(cfg.to_dict(), json.loads(datamodule.schema.to_json()))
-    out = run_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
     last = out / "checkpoints" / "last.ckpt"
-    run_id_file = out / RUN_ID_FILE
     resuming = resume and last.is_file()
     rank0 = True
     if cfg.parallel.enabled:
@@ -207,48 +294,40 @@ def train(cfg: ExperimentConfig, *, resume: bool = True) -> dict[str, Any]:
             "else every process would train the whole model alone"
         )
     lineage = transfer_lineage(module)
-    mlflow.set_tracking_uri(tracking_uri(cfg))
-    if rank0:
-        mlflow.set_experiment(cfg.train.experiment)
-    # CPU, memory and (on GPU machines) device utilisation every few seconds, even for short runs.
-    mlflow.system_metrics.set_system_metrics_sampling_interval(2)
-    mlflow.system_metrics.set_system_metrics_samples_before_logging(1)
-    run_id = run_id_file.read_text().strip() if resuming and run_id_file.is_file() else None
-    run_context = mlflow.start_run(run_id=run_id, run_name=cfg.name, log_system_metrics=True) if rank0 else nullcontext()
-    with run_context as run:
-        if rank0 and run_id is None:
-            mlflow.log_params(run_params(cfg))
-            mlflow.log_dict(cfg.to_dict(), "config.json")
-            mlflow.set_tags(
-                {"gem.stage": "train", "gem.flavor": cfg.name, "gem.dataset": str(cfg.data.path), **lineage}
-            )
-            run_id_file.write_text(run.info.run_id)
-        elif rank0:
-            record_resumed_config(run.info.run_id, cfg)
-        # Other ranks get no logger: even constructing one opens the tracking store.
-        logger = (
-            MLFlowLogger(experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run.info.run_id)
-            if rank0
-            else None
+    if not rank0:
+        # Other ranks open no MLflow run and get no logger: even constructing one opens the tracking store.
+        fit(cfg, module, datamodule, last, resuming, None, None)
+        return {"run_id": None, "checkpoint": str(last), "checkpoint_sha256": "", "metrics": {}}
+    with train_lock(out):
+        remove_stale_temps(out)
+        wrote_config = record_config(out, cfg.to_dict())
+        mlflow.set_tracking_uri(tracking_uri(cfg))
+        experiment_id = ensure_experiment(cfg.train.experiment)
+        # CPU, memory and (on GPU machines) device utilisation every few seconds, even for short runs.
+        mlflow.system_metrics.set_system_metrics_sampling_interval(2)
+        mlflow.system_metrics.set_system_metrics_samples_before_logging(1)
+        tags = {"gem.stage": "train", "gem.flavor": cfg.name, "gem.dataset": str(cfg.data.path), **lineage}
+        run = open_training_run(
+            experiment_id, out, run_name=run_name or default_run_name(cfg), tags=tags, parent_run_id=parent_run_id
         )
-        trainer = build_trainer(cfg, logger)
         try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
-        except ResumeError as exc:
-            raise ResumeError(
-                f"{last}: cannot resume this run: {exc}; train under another train.out_dir or name, or pass "
-                "--no-resume to start over (it replaces that checkpoint)"
-            ) from None
-        check_trained(trainer, cfg)
-        trainer.save_checkpoint(last)
-        if cfg.parallel.enabled:
-            trainer.strategy.export_single_file_checkpoint(last)
-        if not rank0:
-            return {"run_id": None, "checkpoint": str(last), "checkpoint_sha256": "", "metrics": {}}
-        sha = sha256_file(last)
-        mlflow.log_metric("data/quarantined_rows", quarantine_count(cfg.data.path))
-        mlflow.log_dict({"path": str(last.resolve()), "sha256": sha}, "checkpoint.json")
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        return {"run_id": run.info.run_id, "checkpoint": str(last), "checkpoint_sha256": sha, "metrics": metrics}
-
-
+            log_run_record(run, cfg, tags)
+            recorder = MetricRecorder(run.run_id, resumed=not run.created)
+            fit(cfg, module, datamodule, last, resuming, recorder, run.run_id)
+            sha = log_outcome(cfg, last, run.run_id)
+        except REJECTIONS as exc:
+            # A checkpoint with no config on record (a run directory from before config.json and mlflow_run_id
+            # were kept, or a copied-in file) is not this run's training: the refused run is deleted, the
+            # checkpoint kept, and the config this attempt recorded for it removed.
+            reject_run(run, out, trained=last.is_file() and not (run.created and resuming), reason=str(exc))
+            if wrote_config and resuming:
+                (out / RUN_CONFIG_FILE).unlink(missing_ok=True)
+            raise
+        except KeyboardInterrupt:
+            mlflow.end_run("KILLED")
+            raise
+        except BaseException:
+            mlflow.end_run("FAILED")
+            raise
+        mlflow.end_run()
+    return {"run_id": run.run_id, "checkpoint": str(last), "checkpoint_sha256": sha, "metrics": dict(recorder.latest)}

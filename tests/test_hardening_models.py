@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import lightning.pytorch  # noqa: F401  (imported here, its log handler binds to the real stderr, not a test's capture)
+import mlflow
 import pytest
 import torch
 
@@ -141,13 +142,26 @@ def test_export_into_a_real_full_tmpfs_is_one_line_and_keeps_the_old_version(tra
     ],
     ids=["another model size", "another architecture"],
 )
-def test_resuming_another_models_checkpoint_is_one_line_and_keeps_it(overrides, expected, trained, capsys):
+def test_resuming_another_models_checkpoint_is_one_line_and_keeps_it(overrides, expected, trained, tmp_path, capsys):
     dataset, runs, ckpt = trained
     sha = sha256_file(ckpt)
+    # The run directory has the run's config on record: refused before anything is opened.
     assert main(train_args(dataset, runs, *overrides)) == 2
     line = error_line(capsys.readouterr().err)
-    assert f"{ckpt}: cannot resume this run: it was written by" in line and expected in line and "--no-resume" in line
+    assert f"{runs / 'debug'} holds a run of another config (model." in line and "name=debug-2" in line
     assert sha256_file(ckpt) == sha
+    # The same checkpoint with no config on record (a run directory from before gem kept one): the
+    # checkpoint itself is checked against the model when the run resumes.
+    bare = tmp_path / "runs"
+    shutil.copytree(ckpt.parent, bare / "debug" / "checkpoints")
+    copied = bare / "debug" / "checkpoints" / "last.ckpt"
+    assert main(train_args(dataset, bare, *overrides)) == 2
+    line = error_line(capsys.readouterr().err)
+    assert f"{copied}: cannot resume this run: it was written by" in line and expected in line and "--no-resume" in line
+    assert sha256_file(copied) == sha
+    assert sorted(p.name for p in (bare / "debug").iterdir()) == [".lock", "checkpoints"], "nothing recorded for the refused run"
+    client = mlflow.MlflowClient(f"sqlite:///{bare}/mlflow.db")
+    assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == [], "no run left behind"
 
 
 def evil_pickle(path: Path, marker: Path) -> None:

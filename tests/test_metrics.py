@@ -234,14 +234,14 @@ def test_all_equal_scores_rank_last():
 
 def test_ranking_metrics_by_hand():
     m = ranking_metrics(torch.tensor([0, 3]), ks=(1, 4, 1000))
-    assert m["hr@1"] == 0.5
-    assert m["ndcg@1"] == 0.5
-    assert m["hr@4"] == 1.0
-    assert m["ndcg@4"] == pytest.approx((1.0 + 1.0 / math.log2(5)) / 2)
-    assert m["hr@1000"] == 1.0  # K beyond the catalogue: every target is a hit
+    assert m["hr1"] == 0.5
+    assert m["ndcg1"] == 0.5
+    assert m["hr4"] == 1.0
+    assert m["ndcg4"] == pytest.approx((1.0 + 1.0 / math.log2(5)) / 2)
+    assert m["hr1000"] == 1.0  # K beyond the catalogue: every target is a hit
     assert m["mrr"] == pytest.approx((1.0 + 0.25) / 2)
     assert m["count"] == 2
-    assert math.isnan(ranking_metrics(torch.zeros(0, dtype=torch.long))["hr@10"])
+    assert math.isnan(ranking_metrics(torch.zeros(0, dtype=torch.long))["hr10"])
 
 
 def test_ranking_accumulator_and_chunks():
@@ -266,8 +266,8 @@ def test_ranking_accumulator_and_chunks():
     acc.update_ranks(target_ranks(scores[5:], targets[5:], values[offsets[5] :], offsets[5:] - offsets[5], valid_items=valid))
     out = acc.compute()
     assert same(out, ranking_metrics(ranks, (10, 50, 200)))
-    assert set(out) == {"hr@10", "ndcg@10", "hr@50", "ndcg@50", "hr@200", "ndcg@200", "mrr", "count"}
-    assert out["hr@50"] == 1.0  # 50 > 37 items
+    assert set(out) == {"hr10", "ndcg10", "hr50", "ndcg50", "hr200", "ndcg200", "mrr", "count"}
+    assert out["hr50"] == 1.0  # 50 > 37 items
 
 
 def test_ranking_bad_inputs():

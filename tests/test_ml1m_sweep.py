@@ -109,8 +109,8 @@ def test_datasets_are_prepared_once_and_follow_sequences(tmp_path):
 def test_group_rows_average_seeds_and_keep_the_format():
     runs = [
         {"flavor": "sasrec", "data": "d", "variant": "default", "seed": s, "epochs": 100,
-         "test": {"hr@10": hr, "ndcg@10": hr / 2},
-         "best_valid": {"ndcg@10": {"epoch": 50 + s, "test": {"hr@10": hr + 0.01, "ndcg@10": hr / 2}}}}
+         "test": {"hr10": hr, "ndcg10": hr / 2},
+         "best_valid": {"ndcg10": {"epoch": 50 + s, "test": {"hr10": hr + 0.01, "ndcg10": hr / 2}}}}
         for s, hr in ((1, 0.30), (0, 0.28), (2, 0.29))
     ] + [{"flavor": "sasrec", "data": "d", "variant": "default", "seed": 3, "status": "killed"}]
     (row,) = group_rows(runs, "python -m experiments.ml1m_sweep run ...", "2026-12-01")
@@ -137,7 +137,7 @@ def test_sweep_runs_concurrently_and_summarises(tmp_path, capsys, monkeypatch):
     summary = json.loads((out / "summary.json").read_text())
     by_name = {r["name"]: r for r in summary["runs"]}
     good, bad = by_name["ml1m_hstu.ratings.default.s0"], by_name["sasrec.sequences.no_such_field-1.s0"]
-    assert good["status"] == "ok" and good["epochs"] == 1 and 0 <= good["test"]["hr@10"] <= 1
+    assert good["status"] == "ok" and good["epochs"] == 1 and 0 <= good["test"]["hr10"] <= 1
     assert good["env"] == {} and "--flavor ml1m_hstu" in good["command"]
     assert bad["status"] == "failed" and bad["rc"] != 0 and "no_such_field" in Path(bad["log"]).read_text()
     (row,) = summary["rows"]

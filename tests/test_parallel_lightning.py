@@ -106,8 +106,8 @@ def main() -> None:
 
     build_trainer = train_module.build_trainer
 
-    def build_traced_trainer(cfg, logger):
-        trainer = build_trainer(cfg, logger)
+    def build_traced_trainer(cfg, *args):
+        trainer = build_trainer(cfg, *args)
         kill_at = tuple(int(s) for s in os.environ["KILL_AT"].split(",") if s)
         trace = ExampleTrace(Path(os.environ["TRACE_DIR"]), kill_at, int(os.environ["KILL_RANK"]))
         trainer.callbacks.append(trace)

@@ -38,9 +38,9 @@ def test_ml1m_script_converts_trains_and_ranks(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert [r["epoch"] for r in results["history"]] == [0, 1]
     final = results["final_test"]
-    assert final["count"] == 40 and 0.0 <= final["ndcg@10"] <= final["hr@10"] <= 1.0
+    assert final["count"] == 40 and 0.0 <= final["ndcg10"] <= final["hr10"] <= 1.0
     assert results["history"][0]["tokens_per_s"] > 0 and "mfu" not in results["history"][0]
-    assert results["targets"] == {"hr@10": 0.3097, "ndcg@10": 0.1720}
+    assert results["targets"] == {"hr10": 0.3097, "ndcg10": 0.1720}
     weights = load_file(out / "model.safetensors")
     assert any(k.startswith("items.") for k in weights)
     # A second run reuses the converted dataset; a spent time budget stops it after one epoch,
@@ -72,19 +72,19 @@ def test_ml1m_script_on_real_users(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["history"][0]["steps"] == 2
     final = results["final_test"]
-    assert final["count"] == 16 and 0.0 <= final["ndcg@10"] <= final["hr@10"] <= final["hr@200"] <= 1.0
+    assert final["count"] == 16 and 0.0 <= final["ndcg10"] <= final["hr10"] <= final["hr200"] <= 1.0
 
 
 def test_best_valid_picks_the_earliest_best_epoch():
     history = [
         {"epoch": 0, "loss": 1.0},
-        {"epoch": 4, "valid": {"hr@10": 0.2, "ndcg@10": 0.10}, "test": {"hr@10": 0.21}},
-        {"epoch": 9, "valid": {"hr@10": 0.3, "ndcg@10": 0.12}, "test": {"hr@10": 0.25}},
-        {"epoch": 14, "valid": {"hr@10": 0.3, "ndcg@10": 0.11}, "test": {"hr@10": 0.27}},
+        {"epoch": 4, "valid": {"hr10": 0.2, "ndcg10": 0.10}, "test": {"hr10": 0.21}},
+        {"epoch": 9, "valid": {"hr10": 0.3, "ndcg10": 0.12}, "test": {"hr10": 0.25}},
+        {"epoch": 14, "valid": {"hr10": 0.3, "ndcg10": 0.11}, "test": {"hr10": 0.27}},
     ]
     best = best_valid(history)
-    assert best["hr@10"]["epoch"] == 9 and best["hr@10"]["test"] == {"hr@10": 0.25}
-    assert best["ndcg@10"]["epoch"] == 9
+    assert best["hr10"]["epoch"] == 9 and best["hr10"]["test"] == {"hr10": 0.25}
+    assert best["ndcg10"]["epoch"] == 9
     assert best_valid([{"epoch": 0, "loss": 1.0}]) == {}
 
 
@@ -102,10 +102,10 @@ def test_ml1m_script_sasrec_with_used_negatives_and_event_time(tmp_path, monkeyp
         results = json.loads((out / "results.json").read_text())
         assert results["teacher"]["sequence_block"] == ("sasrec" if flavor == "sasrec" else "hstu")
         assert all({"valid", "test"} <= set(r) for r in results["history"])
-        assert set(results["best_valid"]) == {"hr@10", "ndcg@10"}
-        best = results["best_valid"]["ndcg@10"]
+        assert set(results["best_valid"]) == {"hr10", "ndcg10"}
+        best = results["best_valid"]["ndcg10"]
         assert best["test"] == results["history"][best["epoch"]]["test"]
         assert results["final_test"]["count"] == 24
         assert results["environment"]["GEM_KERNELS_FAST_SIGMOID"] == "0"
     assert results["teacher"]["query_time"] == "event" and results["teacher"]["attention_norm"] == "row"
-    assert json.loads((tmp_path / "sasrec" / "results.json").read_text())["targets"]["hr@10"] == 0.2853
+    assert json.loads((tmp_path / "sasrec" / "results.json").read_text())["targets"]["hr10"] == 0.2853

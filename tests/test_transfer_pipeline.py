@@ -51,12 +51,19 @@ def pipeline(tmp_path_factory):
 def test_report_has_every_method_with_finite_ne_and_transfer_ratio(pipeline):
     report = pipeline["report"]
     assert set(report["methods"]) == {"alone", "kd", "ah-sa-repr", "full"}
+    keys = ("click", "conversion", "click/d0")
+    gained = [key for key in keys if report["teacher_gain"][key]["mean"] > 0]
     for name, method in report["methods"].items():
         for section in ("ne", "auc", "tr"):
-            for key in ("click", "conversion", "click/d0"):
+            for key in keys:
                 stat = method[section][key]
+                if section == "tr" and key not in gained:
+                    # No gain to share: the ratio is undefined (null), not a number that reads as one.
+                    assert stat["mean"] is None, (name, key, stat)
+                    continue
                 assert math.isfinite(stat["mean"]) and stat["std"] == 0.0, (name, section, key)
-    assert report["methods"]["alone"]["tr"]["click"]["mean"] == 0.0
+    for key in gained:
+        assert report["methods"]["alone"]["tr"][key]["mean"] == 0.0
     alone, teacher = report["methods"]["alone"]["ne"]["click"]["mean"], report["teacher"]["metrics"]["click/ne"]
     assert report["teacher_gain"]["click"]["mean"] == pytest.approx(alone - teacher)
     assert report["teacher"]["checkpoint_sha256"] == pipeline["teacher"]["checkpoint_sha256"]

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+from tqdm.auto import tqdm
 
 from foundation.checkpoint import TrainedModel, checkpoint_run_id
 from foundation.data.io import (
@@ -204,11 +205,13 @@ def feature_arrays(block: RowBlock, schema: EventSchema, side: str, history_len:
 
 @torch.inference_mode()
 def embed_rows(
-    teacher: TrainedModel, block: RowBlock, rows: np.ndarray, side: str, batch_size: int, device: str
+    teacher: TrainedModel, block: RowBlock, rows: np.ndarray, side: str, batch_size: int, device: str,
+    progress: bool = False,
 ) -> np.ndarray:
     """``[len(rows), d]`` float32 ``user_repr`` or ``item_repr`` of ``block``'s ``rows``, ``batch_size`` rows per forward."""
     out = []
-    for lo in range(0, len(rows), batch_size):
+    starts = range(0, len(rows), batch_size)
+    for lo in tqdm(starts, desc=f"export {side}s", unit="batch", disable=not progress, leave=False):
         batch = build_batch([(block, rows[lo : lo + batch_size])], teacher.schema, teacher.max_len, None)
         vectors = getattr(teacher.model(batch.to(device)), REPR[side])
         if vectors is None:
@@ -218,7 +221,8 @@ def embed_rows(
 
 
 def refresh_side(
-    teacher: TrainedModel, latest: Latest, side: str, parent: EmbeddingStore | None, version: int, batch_size: int, device: str
+    teacher: TrainedModel, latest: Latest, side: str, parent: EmbeddingStore | None, version: int, batch_size: int, device: str,
+    progress: bool = False,
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Arrays of one side for ``version``: rows whose fingerprint matches ``parent`` are copied, others computed.
 
@@ -229,7 +233,7 @@ def refresh_side(
     prints = fingerprints(block, teacher.schema, side)
     same, pos = _unchanged(parent, side, ids, prints)
     t0 = time.perf_counter()
-    computed = embed_rows(teacher, block, np.flatnonzero(~same), side, batch_size, device)
+    computed = embed_rows(teacher, block, np.flatnonzero(~same), side, batch_size, device, progress)
     model_seconds = time.perf_counter() - t0
     dims = computed.shape[1] if len(computed) else (parent.side(side, "vectors").shape[1] if parent else 0)
     if parent is not None and parent.side(side, "vectors").shape[1] != dims:
@@ -414,10 +418,11 @@ def export_embeddings(
     batch_size: int | None = None,
     device: str | None = None,
     feature_history_len: int = FEATURE_HISTORY_LEN,
+    progress: bool = False,
 ) -> dict:
     """Compute and publish a new store version of ``teacher``'s vectors (module doc); ``since`` makes it an
     incremental refresh. The model runs on ``device`` (default: CUDA when available), ``batch_size`` rows at a
-    time (default: its training batch size).
+    time (default: its training batch size); ``progress`` shows a bar per side.
 
     Returns ``{"version", "path", "parent", "mode", "users", "items", "users_recomputed",
     "users_copied", "items_recomputed", "items_copied", "deleted", "seconds" (per phase), "manifest"}``
@@ -438,7 +443,7 @@ def export_embeddings(
         t0 = time.perf_counter()
         latest = select_latest(dataset_dir, tuple(splits), teacher.schema)
         t1 = time.perf_counter()
-        sides = {side: refresh_side(teacher, latest, side, parent, version, batch_size, device) for side in SIDES}
+        sides = {side: refresh_side(teacher, latest, side, parent, version, batch_size, device, progress) for side in SIDES}
         t2 = time.perf_counter()
         manifest.update(
             version=version,

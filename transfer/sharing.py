@@ -160,8 +160,22 @@ class ProjectedTable(nn.Module):
     def embedding_dim(self) -> int:
         return self.proj.out_features
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.proj(self.table(*args, **kwargs))
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.table(input))
+
+
+class ProjectedBag(ProjectedTable):
+    """:class:`ProjectedTable` over an ``nn.EmbeddingBag``: takes its ``(input, offsets)``; both forms script
+    with TorchScript (a serving form), which a variadic ``forward`` would not."""
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.proj(self.table(input, offsets))
+
+
+def projected_table(table: nn.Embedding | nn.EmbeddingBag, out_dim: int, *, init_from_table: bool = True) -> ProjectedTable:
+    """``table`` followed by a projection to ``out_dim``, taking what ``table`` takes."""
+    kind = ProjectedBag if isinstance(table, nn.EmbeddingBag) else ProjectedTable
+    return kind(table, out_dim, init_from_table=init_from_table)
 
 
 def init_projection(weight: torch.Tensor, out_dim: int) -> torch.Tensor:
@@ -261,7 +275,7 @@ def _share_table(
         return student_table, student_table.weight, None
     if not cfg.project:
         raise SharingError(f"table {name!r}: teacher dim {weight.shape[1]} != student dim {dim} and project=False")
-    projected = ProjectedTable(_table_like(student_table, weight), dim)
+    projected = projected_table(_table_like(student_table, weight), dim)
     return projected, projected.table.weight, projected.proj.weight
 
 
@@ -363,7 +377,7 @@ def restore_shared_layout(student: nn.Module, shared_dims: Mapping[str, int], cf
         rows, dim = table.weight.shape
         if teacher_dim != dim:
             placeholder = _table_like(table, table.weight.new_zeros(rows, teacher_dim))
-            table = ProjectedTable(placeholder, dim, init_from_table=False)
+            table = projected_table(placeholder, dim, init_from_table=False)
             tables[name] = table
             new.append(table.proj.weight)
         shared.append(table.table.weight if isinstance(table, ProjectedTable) else table.weight)

@@ -1,0 +1,94 @@
+"""Lightning callbacks of ``gem train``: metrics and checkpoints in a kill-safe order, a progress bar with totals.
+
+:class:`RecordAndCheckpoint` replaces Lightning's ``ModelCheckpoint`` for ``last.ckpt``. It logs a step's
+metrics before it writes the checkpoint covering that step, and at the end of an epoch it writes the
+checkpoint after validation (not before), so a run killed at any moment and resumed from its checkpoint
+has logged every step up to it, and retrains (and re-logs, which :class:`gem.tracking.MetricRecorder`
+skips) only the steps after it. Metric steps are Lightning's: the index of the optimiser step, from 0.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
+
+from gem.tracking import MetricRecorder
+
+
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether the loop validates right after this training batch (Lightning's own decision)."""
+    loop = trainer.fit_loop
+    return loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
+
+
+class RecordAndCheckpoint(Callback):
+    """Every ``log_every_n_steps`` optimiser steps log the module's ``step_metrics()``; every ``every_n_steps``
+    write ``path``; after each validation log ``val_metrics`` and write ``path``. ``recorder`` is None on
+    ranks that do not log."""
+
+    def __init__(self, path: Path, *, every_n_steps: int, log_every_n_steps: int, recorder: MetricRecorder | None) -> None:
+        self.path = Path(path)
+        self.every_n_steps = max(every_n_steps, 1)
+        self.log_every_n_steps = max(log_every_n_steps, 1)
+        self.recorder = recorder
+        self.saved_step: int | None = None
+
+    def save(self, trainer: L.Trainer) -> None:
+        # No checkpoint of a model that took no step: a later run would resume it as trained.
+        if trainer.global_step not in (0, self.saved_step):
+            trainer.save_checkpoint(self.path, weights_only=False)
+            self.saved_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.recorder is not None and step % self.log_every_n_steps == 0:
+            self.recorder.log(pl_module.step_metrics(), step - 1)
+        if step % self.every_n_steps == 0 and not validation_follows(trainer):
+            self.save(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self.recorder is not None:
+            self.recorder.log(pl_module.val_metrics, max(trainer.global_step - 1, 0))
+        self.save(trainer)
+
+
+class GemProgressBar(TQDMProgressBar):
+    """Lightning's bar with a total (and so an ETA) for streamed epochs, one refresh per update, no ``v_num``.
+
+    The total of a training epoch is the data module's estimate (``estimated_batches``): token-budget
+    packing makes the exact count known only once the epoch has been read.
+    """
+
+    def _estimate(self, split_kind: str) -> float:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        estimate = getattr(datamodule, "estimated_batches", None)
+        return estimate(split_kind) if estimate is not None else math.inf
+
+    @property
+    def total_train_batches(self) -> int | float:
+        total = super().total_train_batches
+        return self._estimate("train") if math.isinf(total) else total
+
+    @property
+    def total_val_batches_current_dataloader(self) -> int | float:
+        total = super().total_val_batches_current_dataloader
+        return self._estimate("eval") if math.isinf(total) else total
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        bar, n = self.train_progress_bar, batch_idx + 1
+        if bar is not None and not bar.disable and self._should_update(n, bar.total):
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            bar.n = n
+            bar.refresh()
