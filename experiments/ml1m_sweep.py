@@ -300,7 +300,11 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def group_rows(run_rows: list[dict], command: str, date: str) -> list[dict]:
-    """One row per (flavor, data, variant) over the seeds whose run produced test metrics."""
+    """One row per (flavor, data, variant) over the seeds whose run produced test metrics.
+
+    Runs name their metrics as MLflow does (``hr10``); the rows keep the published results file's keys
+    (``hr@10_mean``: ``docs/results/ml1m.json``, whose schema readers of the results rely on).
+    """
     groups: dict[tuple, list[dict]] = {}
     for row in run_rows:
         if "test" in row:
