@@ -14,6 +14,7 @@ from foundation.data.schema import EventSchema
 from foundation.data.synthetic import (
     SPLITS,
     SynthConfig,
+    _user_activity,
     build_schema,
     generate_world,
     make_world,
@@ -220,6 +221,16 @@ def test_few_rows_per_user(world):
     assert np.median(np.bincount(users)[np.bincount(users) > 0]) <= 15
 
 
+def test_tenure_sets_how_fast_each_user_produces_events():
+    """``rate_u = N_u / tenure_u``: one fixed tenure of 20 days gives every user N_u / 20 events a day (within
+    the generator's clip), and a tenure ten times shorter makes every user ten times as active."""
+    n_pre, rate, _ = _user_activity(synth_preset("debug", **SMALL, tenure_days=(20.0, 20.0)))
+    assert np.allclose(rate, np.clip(n_pre / 20.0, 0.05, 200.0))
+    _, fast, _ = _user_activity(synth_preset("debug", **SMALL, tenure_days=(2.0, 2.0)))
+    unclipped = (rate > 0.05) & (fast < 200.0)
+    assert unclipped.any() and np.allclose(fast[unclipped], 10 * rate[unclipped])
+
+
 def test_presets_and_config_checks(tmp_path):
     assert set(SYNTH_PRESETS) >= {"debug", "default", "large"}
     default, large = SYNTH_PRESETS["default"], SYNTH_PRESETS["large"]
@@ -230,6 +241,9 @@ def test_presets_and_config_checks(tmp_path):
         SynthConfig(num_domains=4)
     with pytest.raises(ValueError, match="split_fractions"):
         SynthConfig(split_fractions=(0.5, 0.5, 0.0))
+    for tenure in ((60.0, 15.0), (0.0, 10.0), (30.0,)):
+        with pytest.raises(ValueError, match="tenure_days"):
+            SynthConfig(tenure_days=tenure)
     with pytest.raises(ConfigError, match="unknown synthetic preset"):
         synth_preset("huge")
     generate_world(synth_preset("debug", **SMALL), tmp_path, progress=False)

@@ -37,7 +37,8 @@ item launches, this makes a model trained on an early window stale on a later on
 **History.** Each user has ``N_u = min_history + LogNormal`` events before the window (median
 ``history_median``, log-sd ``history_sigma``, capped at ``history_limit``: tens to tens of
 thousands; only ``max_history`` of them are ever stored), arriving as a
-Poisson process at ``rate_u = N_u / tenure_u``, and keeps producing events at that rate during the
+Poisson process at ``rate_u = N_u / tenure_u`` (``tenure_u ~ U[tenure_days]``: a short tenure makes an
+active user, whose last few events are hours to days old), and keeps producing events at that rate during the
 window. An event's topic is core / dormant / focus / a popular topic (by the rates above), its item
 is drawn from that topic by popularity among launched items, its domain from the user's domain
 preference, and its action is 0 view, 1 click or 2 conversion, drawn from the same affinity model
@@ -173,6 +174,7 @@ class SynthConfig:
     history_sigma: float = 1.4
     min_history: int = 16
     history_limit: int = 50_000
+    tenure_days: tuple[float, float] = (90.0, 1095.0)
     domain_names: tuple[str, ...] = ("feed", "reels", "marketplace")
     domain_shares: tuple[float, ...] = (0.6, 0.33, 0.07)
     domain_base_ctr: tuple[float, ...] = (0.004, 0.003, 0.006)
@@ -195,6 +197,7 @@ class SynthConfig:
     def __post_init__(self) -> None:
         for name in (
             "split_fractions",
+            "tenure_days",
             "domain_names",
             "domain_shares",
             "domain_base_ctr",
@@ -243,6 +246,8 @@ class SynthConfig:
             raise ValueError("SynthConfig: min_history must be <= history_limit")
         if self.window_days <= 0 or self.phase_days <= 0:
             raise ValueError("SynthConfig: window_days and phase_days must be positive")
+        if len(self.tenure_days) != 2 or not 0 < self.tenure_days[0] <= self.tenure_days[1]:
+            raise ValueError(f"SynthConfig.tenure_days must be (low, high) with 0 < low <= high, got {self.tenure_days}")
 
 
 def build_schema(cfg: SynthConfig) -> EventSchema:
@@ -469,7 +474,7 @@ def _user_activity(cfg: SynthConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray
         rng.normal(math.log(max(cfg.history_median - cfg.min_history, 1)), cfg.history_sigma, cfg.num_users)
     )
     n_pre = np.minimum(cfg.min_history + np.round(excess), cfg.history_limit).astype(np.int64)
-    rate = np.clip(n_pre / rng.uniform(90, 1095, cfg.num_users), 0.05, 200.0)
+    rate = np.clip(n_pre / rng.uniform(*cfg.tenure_days, cfg.num_users), 0.05, 200.0)
     weight = rate**0.4
     return n_pre, rate, rng.multinomial(cfg.num_examples, weight / weight.sum())
 
