@@ -63,37 +63,35 @@ def wait_for_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 
 
 
 @contextmanager
-def serve(db: Path) -> Iterator[int]:
-    """``mlflow server`` on ``db`` on a free loopback port (yields the port once it is healthy)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{db.resolve()}",
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+def background(command: list[str], health_url: str, name: str) -> Iterator[None]:
+    """``command`` running in the background until the context exits, once ``health_url`` answers."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", proc, "mlflow server")
-        yield port
+        wait_for_http(health_url, proc, name)
+        yield
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
 @contextmanager
+def serve(db: Path) -> Iterator[int]:
+    """``mlflow server`` on ``db`` on a free loopback port (yields the port once it is healthy)."""
+    port = free_port()
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{db.resolve()}",
+               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    with background(command, f"http://127.0.0.1:{port}/health", "mlflow server"):
+        yield port
+
+
+@contextmanager
 def chromium() -> Iterator[int]:
     """Headless Chromium with the DevTools protocol on a free port (yields the port)."""
     port = free_port()
-    proc = subprocess.Popen(
-        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={WINDOW}",
-         f"--remote-debugging-port={port}", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/json/version", proc, "chromium")
+    command = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               f"--window-size={WINDOW}", f"--remote-debugging-port={port}", "about:blank"]
+    with background(command, f"http://127.0.0.1:{port}/json/version", "chromium"):
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 async def capture(
