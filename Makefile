@@ -20,8 +20,9 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 
 install: $(STAMP)
 
+# Small models on a CPU run fastest with one thread per process (docs/benchmarks.md, "README commands").
 quickstart: $(STAMP)
-	$(BIN)/gem quickstart
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/gem quickstart
 	@echo "Runs are in ./mlflow.db. Browse them with: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 test: $(STAMP)

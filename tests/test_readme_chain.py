@@ -14,16 +14,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from experiments.readme_times import DOWNLOAD, apply_export, gem_environment, readme_commands
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-MARKER = "<!-- readme-chain"
 SYNTH = "num_users=300 num_items=200 num_examples=3000 rows_per_shard=1000 users_per_block=100"
 # README command prefix -> what is appended to run it at tiny size.
 TINY = {
@@ -46,15 +46,6 @@ TINY = {
     "gem train --flavor ml1m_hstu": "train.max_epochs=1",
     "gem quickstart": "--recipe tiny",
 }
-DOWNLOAD = "curl -sLO https://files.grouplens.org"
-
-
-def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    block = re.search(re.escape(MARKER) + r".*?```bash\n(.*?)```", text, re.S)
-    assert block, f"README.md has no ```bash block after {MARKER!r}"
-    lines = [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
 
 
 def write_ratings(path: Path) -> None:
@@ -62,22 +53,6 @@ def write_ratings(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"{u}::{(u * 7 + k * 3) % 60 + 1}::4::{1000 + 10 * k}" for u in range(1, 41) for k in range(12)]
     path.write_text("\n".join(lines) + "\n")
-
-
-def environment(work: Path) -> dict[str, str]:
-    """``gem`` as a console script on the PATH (the venv's tools behind it), tracking to ``work/mlflow.db``."""
-    shims = work / ".bin"
-    shims.mkdir()
-    gem = shims / "gem"
-    gem.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m gem.cli "$@"\n')
-    gem.chmod(0o755)
-    return {
-        **os.environ,
-        "PATH": f"{shims}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db",
-    }
 
 
 def wait_for_server(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -94,11 +69,13 @@ def wait_for_server(port: int, proc: subprocess.Popen, timeout: float = 120) -> 
 
 def test_every_readme_command_runs_in_order(tmp_path):
     commands = readme_commands()
-    env = environment(tmp_path)
+    env = gem_environment(tmp_path)
     server = None
     outputs: dict[str, str] = {}
     try:
         for command in commands:
+            if apply_export(command, env):
+                continue
             if command.startswith(DOWNLOAD):
                 write_ratings(tmp_path / "ml-1m" / "ratings.dat")
                 continue
