@@ -15,9 +15,11 @@ The commands are read from the README (the ```bash block after the ``readme-chai
   ``--sequences`` (all 1,000,209 ratings of ML-1M in their order, one timestamp per position), because these
   machines reach no web site;
 - ``--extra PREFIX=ARGS`` appends arguments to the commands that start with ``PREFIX`` (e.g. one epoch of a
-  100-epoch flavor, whose full time is then that epoch's times the flavor's epochs).
+  100-epoch flavor, whose full time is then that epoch's times the flavor's epochs), and ``--skip PREFIX=REASON``
+  leaves out commands the machine cannot run as written (two GPU processes on a one-GPU machine).
 
-A background command (``... &``) is timed until its server answers ``/ping`` and stopped at the end. A command
+``--start N --reuse`` goes on from the N-th command in a ``--work`` where an earlier invocation ran the ones
+before (a chain longer than one call of a lent GPU machine); the rows of those, and of later ones it skips but the earlier call ran, are kept from ``--json``. A background command (``... &``) is timed until its server answers ``/ping`` and stopped at the end. A command
 that fails or passes ``--timeout`` is recorded with its exit status and the chain goes on (later commands may
 then fail for want of its output: the rows say which). Reported per command: wall seconds, CPU seconds of the
 processes it ran (user + system, from ``getrusage`` of the children: less sensitive to other load on the
@@ -107,6 +109,7 @@ def write_ratings_from_sequences(sequences: Path, out: Path) -> int:
 
 @dataclass
 class Timing:
+    number: int
     command: str
     wall_s: float | None
     cpu_s: float | None
@@ -130,14 +133,15 @@ def wait_for_ping(port: int, proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
-def parse_extra(pairs: list[str]) -> dict[str, str]:
-    extra = {}
+def parse_pairs(pairs: list[str], option: str) -> dict[str, str]:
+    """``["PREFIX=VALUE", ...]`` as ``{PREFIX: VALUE}``."""
+    parsed = {}
     for pair in pairs:
-        prefix, sep, args = pair.partition("=")
+        prefix, sep, value = pair.partition("=")
         if not sep or not prefix.strip():
-            raise SystemExit(f"--extra {pair!r}: expected 'COMMAND PREFIX=ARGS'")
-        extra[prefix.strip()] = args
-    return extra
+            raise SystemExit(f"{option} {pair!r}: expected 'COMMAND PREFIX=...'")
+        parsed[prefix.strip()] = value
+    return parsed
 
 
 def with_extra(command: str, extra: dict[str, str]) -> tuple[str, str]:
@@ -161,7 +165,7 @@ def run_background(command: str, work: Path, env: dict[str, str], timeout: float
     ready = wait_for_ping(int(port.group(1)), proc, timeout)
     wall = time.perf_counter() - start
     note = "until /ping answers" if ready else f"no /ping answer within {timeout:.0f} s"
-    return Timing(command, round(wall, 2), None, 0 if ready else 1, note), proc
+    return Timing(0, command, round(wall, 2), None, 0 if ready else 1, note), proc
 
 
 def run_one(command: str, work: Path, env: dict[str, str], timeout: float, log) -> Timing:
@@ -172,30 +176,34 @@ def run_one(command: str, work: Path, env: dict[str, str], timeout: float, log) 
         rc, note = done.returncode, ""
     except subprocess.TimeoutExpired:
         rc, note = 124, f"stopped at --timeout {timeout:.0f} s"
-    return Timing(command, round(time.perf_counter() - start, 2), round(children_cpu_s() - cpu0, 2), rc, note)
+    return Timing(0, command, round(time.perf_counter() - start, 2), round(children_cpu_s() - cpu0, 2), rc, note)
 
 
 def time_chain(args: argparse.Namespace) -> list[Timing]:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=args.reuse)
     env = gem_environment(work, tuple(args.path))
-    extra = parse_extra(args.extra)
+    extra = parse_pairs(args.extra, "--extra")
     rows: list[Timing] = []
     server = None
     started = time.perf_counter()
     with (work / "chain.log").open("w") as log:
         try:
-            for command in readme_commands(args.readme):
-                left = args.budget - (time.perf_counter() - started)
-                if left <= 0:
-                    rows.append(Timing(command, None, None, -1, "not run: --budget spent"))
+            for number, command in enumerate(readme_commands(args.readme), start=1):
+                if apply_export(command, env) or number < args.start:
                     continue
-                if apply_export(command, env):
+                left = args.budget - (time.perf_counter() - started)
+                skip = [reason for prefix, reason in parse_pairs(args.skip, "--skip").items() if command.startswith(prefix)]
+                if skip:
+                    rows.append(Timing(number, command, None, None, -1, f"not run: {skip[0]}"))
+                    continue
+                if left <= 0:
+                    rows.append(Timing(number, command, None, None, -1, "not run: --budget spent"))
                     continue
                 if command.startswith(DOWNLOAD):
                     start = time.perf_counter()
                     lines = write_ratings_from_sequences(args.sequences, work / "ml-1m" / "ratings.dat")
-                    rows.append(Timing(command, round(time.perf_counter() - start, 2), 0.0, 0,
+                    rows.append(Timing(number, command, round(time.perf_counter() - start, 2), 0.0, 0,
                                        f"replaced: {lines:,} ratings written from {args.sequences.name}"))
                     continue
                 full, note = with_extra(command, extra)
@@ -205,14 +213,28 @@ def time_chain(args: argparse.Namespace) -> list[Timing]:
                     row, server = run_background(full, work, env, min(args.timeout, left))
                 else:
                     row = run_one(full, work, env, min(args.timeout, left), log)
-                row.command, row.note = command, "; ".join(n for n in (note, row.note) if n)
+                row.number, row.command = number, command
+                row.note = "; ".join(n for n in (note, row.note) if n)
                 rows.append(row)
-                print(f"{seconds(row.wall_s)} s wall {seconds(row.cpu_s)} s cpu rc={row.rc}  {command[:90]}", flush=True)
+                print(f"{number:3d} {seconds(row.wall_s)} s wall {seconds(row.cpu_s)} s cpu rc={row.rc}  {command[:90]}", flush=True)
         finally:
             if server is not None:
                 os.killpg(server.pid, signal.SIGTERM)
                 server.wait(timeout=30)
     return rows
+
+
+def merge_earlier(path: Path | None, start: int, rows: list[Timing]) -> list[Timing]:
+    """With ``--start N``, ``rows`` completed by the ``--json`` an earlier call wrote: its rows of the commands
+    before N, and of any later command this call did not run (``--skip``) but the earlier one did."""
+    if start <= 1 or path is None or not path.is_file():
+        return rows
+    earlier = {row["number"]: Timing(**row) for row in json.loads(path.read_text())["rows"]}
+    merged = {number: row for number, row in earlier.items() if number < start}
+    for row in rows:
+        kept = earlier.get(row.number)
+        merged[row.number] = kept if row.rc == -1 and kept is not None and kept.rc != -1 else row
+    return [merged[number] for number in sorted(merged)]
 
 
 def machine() -> dict:
@@ -240,10 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, required=True, help="fresh directory the chain runs in")
     p.add_argument("--reuse", action="store_true", help="allow --work to exist (reruns resume finished stages)")
+    p.add_argument("--start", type=int, default=1,
+                   help="number (from 1, export lines counted) of the first command to run; with --reuse, to go on "
+                        "in a --work where an earlier call ran the ones before")
     p.add_argument("--readme", type=Path, default=REPO / "README.md")
     p.add_argument("--sequences", type=Path, default=REPO.parent / "shared/data/ml-1m/sequences.tsv",
                    help="ML-1M sequences.tsv the download is replaced by")
     p.add_argument("--extra", action="append", default=[], metavar="PREFIX=ARGS")
+    p.add_argument("--skip", action="append", default=[], metavar="PREFIX=REASON",
+                   help="commands starting with PREFIX are not run; the row says REASON")
     p.add_argument("--path", action="append", default=[], help="directory put on the PATH (e.g. where mlflow is)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one command may take")
     p.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole chain")
@@ -251,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.sequences.is_file():
         raise SystemExit(f"--sequences {args.sequences}: no such file (ML-1M's sequences.tsv)")
-    rows = time_chain(args)
+    rows = merge_earlier(args.json, args.start, time_chain(args))
     print(markdown(rows))
     if args.json:
         report = {
