@@ -155,16 +155,23 @@ def with_extra(command: str, extra: dict[str, str]) -> tuple[str, str]:
     return f"{base} {args}{' &' if background else ''}", f"run with {args!r} appended"
 
 
-def run_background(command: str, work: Path, env: dict[str, str], timeout: float) -> tuple[Timing, subprocess.Popen]:
+def run_background(
+    command: str, work: Path, env: dict[str, str], timeout: float, log
+) -> tuple[Timing, subprocess.Popen]:
     port = re.search(r"-p (\d+)", command)
     if port is None:
         raise SystemExit(f"background command without '-p PORT' to wait for: {command}")
     start = time.perf_counter()
     proc = subprocess.Popen(command.rstrip("&").strip(), shell=True, cwd=work, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT)
     ready = wait_for_ping(int(port.group(1)), proc, timeout)
     wall = time.perf_counter() - start
-    note = "until /ping answers" if ready else f"no /ping answer within {timeout:.0f} s"
+    if ready:
+        note = "until /ping answers"
+    elif proc.poll() is not None:
+        note = f"exited with status {proc.returncode} before answering /ping"
+    else:
+        note = f"no /ping answer within {timeout:.0f} s"
     return Timing(0, command, round(wall, 2), None, 0 if ready else 1, note), proc
 
 
@@ -194,6 +201,8 @@ def time_chain(args: argparse.Namespace) -> list[Timing]:
                     continue
                 left = args.budget - (time.perf_counter() - started)
                 skip = [reason for prefix, reason in parse_pairs(args.skip, "--skip").items() if command.startswith(prefix)]
+                if args.only and number not in args.only:
+                    skip.append("not in --only")
                 if skip:
                     rows.append(Timing(number, command, None, None, -1, f"not run: {skip[0]}"))
                     continue
@@ -210,7 +219,7 @@ def time_chain(args: argparse.Namespace) -> list[Timing]:
                 log.write(f"\n$ {full}\n")
                 log.flush()
                 if full.endswith("&"):
-                    row, server = run_background(full, work, env, min(args.timeout, left))
+                    row, server = run_background(full, work, env, min(args.timeout, left), log)
                 else:
                     row = run_one(full, work, env, min(args.timeout, left), log)
                 row.number, row.command = number, command
@@ -219,9 +228,17 @@ def time_chain(args: argparse.Namespace) -> list[Timing]:
                 print(f"{number:3d} {seconds(row.wall_s)} s wall {seconds(row.cpu_s)} s cpu rc={row.rc}  {command[:90]}", flush=True)
         finally:
             if server is not None:
-                os.killpg(server.pid, signal.SIGTERM)
-                server.wait(timeout=30)
+                stop(server)
     return rows
+
+
+def stop(server: subprocess.Popen) -> None:
+    """Stop a background command's process group, which may have exited already."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    server.wait(timeout=30)
 
 
 def merge_earlier(path: Path | None, start: int, rows: list[Timing]) -> list[Timing]:
@@ -271,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", action="append", default=[], metavar="PREFIX=ARGS")
     p.add_argument("--skip", action="append", default=[], metavar="PREFIX=REASON",
                    help="commands starting with PREFIX are not run; the row says REASON")
+    p.add_argument("--only", type=lambda text: {int(n) for n in text.split(",")}, default=set(),
+                   help="comma-separated command numbers to run (the rest are rows marked not run)")
     p.add_argument("--path", action="append", default=[], help="directory put on the PATH (e.g. where mlflow is)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one command may take")
     p.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole chain")
