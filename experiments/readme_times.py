@@ -5,6 +5,7 @@ Usage::
     python -m experiments.readme_times --work /tmp/readme-times --sequences ../shared/data/ml-1m/sequences.tsv \\
         --json docs/results/readme_times_cpu.json
     python -m experiments.readme_times ... --extra 'gem train --flavor ml1m_hstu=train.max_epochs=1'
+    python -m experiments.readme_times --combine part1.json part2.json --json docs/results/readme_times_gpu.json
 
 The commands are read from the README (the ```bash block after the ``readme-chain`` marker, the block that
 ``tests/test_readme_chain.py`` runs at tiny sizes), so what is timed is what a reader types. Each runs through
@@ -241,6 +242,14 @@ def stop(server: subprocess.Popen) -> None:
     server.wait(timeout=30)
 
 
+def prefer(kept: Timing | None, row: Timing) -> Timing:
+    """Of two rows of one command, the one that ran, and of two that ran the one that succeeded; else ``row``."""
+    if kept is None:
+        return row
+    rank = lambda t: (t.rc != -1, t.rc == 0)  # noqa: E731
+    return kept if rank(kept) > rank(row) else row
+
+
 def merge_earlier(path: Path | None, start: int, rows: list[Timing]) -> list[Timing]:
     """With ``--start N``, ``rows`` completed by the ``--json`` an earlier call wrote: its rows of the commands
     before N, and of any later command this call did not run (``--skip``) but the earlier one did."""
@@ -249,9 +258,29 @@ def merge_earlier(path: Path | None, start: int, rows: list[Timing]) -> list[Tim
     earlier = {row["number"]: Timing(**row) for row in json.loads(path.read_text())["rows"]}
     merged = {number: row for number, row in earlier.items() if number < start}
     for row in rows:
-        kept = earlier.get(row.number)
-        merged[row.number] = kept if row.rc == -1 and kept is not None and kept.rc != -1 else row
+        merged[row.number] = prefer(earlier.get(row.number), row)
     return [merged[number] for number in sorted(merged)]
+
+
+def combine(paths: list[Path], out: Path) -> dict:
+    """One report from several (calls of one machine that each ran part of the chain): per command the row that
+    ran and succeeded, the later file winning ties; each row's note names its file."""
+    reports = [json.loads(path.read_text()) for path in paths]
+    merged: dict[int, Timing] = {}
+    for path, report in zip(paths, reports, strict=True):
+        for row in map(lambda r: Timing(**r), report["rows"]):
+            if row.rc != -1:
+                row.note = "; ".join(n for n in (row.note, f"from {path.name}") if n)
+            merged[row.number] = prefer(merged.get(row.number), row)
+    rows = [merged[number] for number in sorted(merged)]
+    combined = {
+        **reports[-1],
+        "command": [report["command"] for report in reports],
+        "total_wall_s": round(sum(r.wall_s for r in rows if r.wall_s is not None and r.rc == 0), 1),
+        "rows": [asdict(r) for r in rows],
+    }
+    atomic_write_text(out, json.dumps(combined, indent=2) + "\n")
+    return combined
 
 
 def machine() -> dict:
@@ -277,7 +306,9 @@ def markdown(rows: list[Timing]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", type=Path, required=True, help="fresh directory the chain runs in")
+    p.add_argument("--work", type=Path, help="fresh directory the chain runs in")
+    p.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                   help="instead of running: merge these reports (parts of one chain) into --json")
     p.add_argument("--reuse", action="store_true", help="allow --work to exist (reruns resume finished stages)")
     p.add_argument("--start", type=int, default=1,
                    help="number (from 1, export lines counted) of the first command to run; with --reuse, to go on "
@@ -295,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole chain")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.combine:
+        if args.json is None:
+            p.error("--combine needs --json")
+        print(markdown([Timing(**row) for row in combine(args.combine, args.json)["rows"]]))
+        return 0
+    if args.work is None:
+        p.error("--work is required")
     if not args.sequences.is_file():
         raise SystemExit(f"--sequences {args.sequences}: no such file (ML-1M's sequences.tsv)")
     rows = merge_earlier(args.json, args.start, time_chain(args))
