@@ -195,7 +195,7 @@ def time_chain(args: argparse.Namespace) -> list[Timing]:
     rows: list[Timing] = []
     server = None
     started = time.perf_counter()
-    with (work / "chain.log").open("w") as log:
+    with (work / "chain.log").open("a" if args.reuse else "w") as log:
         try:
             for number, command in enumerate(readme_commands(args.readme), start=1):
                 if apply_export(command, env) or number < args.start:
