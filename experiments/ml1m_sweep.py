@@ -5,6 +5,7 @@ Usage (from the repository root; ``--raw`` holds ``sequences.tsv`` and ``ratings
 
     python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan calibration --seeds 0,1,2
     python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan timebias --plan suspects
+    python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan reference --parallel 18
     python -m experiments.ml1m_sweep run --raw ... --runs my_runs.json          # runs of your own
     python -m experiments.ml1m_sweep merge /tmp/sweep/summary.json docs/results/ml1m.json
 
@@ -25,6 +26,11 @@ Plans (``--plan``, repeatable; each run once per ``--seeds`` seed):
   ``negative_pool=used``. Their baseline is ``calibration``'s ``ml1m_hstu`` at the same seeds (add
   ``--plan calibration`` to run it in the same sweep). Test at the best valid epoch needs no run of
   its own: every run reports it.
+- ``reference``: ``ml1m_hstu`` on ``sequences`` with the reference HSTU's behaviour one switch at a time
+  (:data:`REFERENCE_SWITCHES`, ``docs/ml1m_reference_diff.md``), then every switch at once
+  (:data:`ALL_REFERENCE`), and its own baseline (the default): 6 groups, 18 runs at 3 seeds;
+- ``reference-large``: ``ml1m_hstu_large``, the default, ``rel_bias=shared`` (which only matters with
+  several heads) and :data:`ALL_REFERENCE`: 9 runs at 3 seeds.
 
 ``--runs FILE`` adds runs from a JSON list of ``{"flavor", "seed", "data", "overrides": [...],
 "env": {...}}`` (``data``, ``overrides`` and ``env`` optional).
@@ -106,6 +112,16 @@ class RunSpec:
         )
 
 
+# The reference HSTU's behaviour where ours differs, one switch each (docs/ml1m_reference_diff.md).
+REFERENCE_SWITCHES = ("block_norm=plain", "block_init=reference", "uvqk_bias=false", "embedding_init=reference")
+# Every difference a switch reaches at once: those four, bias tables shared by the heads (a no-op with one
+# head), the reference's normaliser 1/211 and its exact sigmoid.
+ALL_REFERENCE = (
+    (*REFERENCE_SWITCHES, "rel_bias=shared", "attention_norm=211"),
+    {"GEM_KERNELS_FAST_SIGMOID": "0"},
+)
+
+
 def _variants(flavor: str, data: str, variants: list[tuple[tuple[str, ...], dict]], seeds: list[int]) -> list[RunSpec]:
     return [
         RunSpec(flavor, seed, data, overrides, tuple(sorted(env.items())))
@@ -129,10 +145,15 @@ def plan_runs(plan: str, seeds: list[int]) -> list[RunSpec]:
             (("negative_pool=used",), {}),
         ]
         return _variants("ml1m_hstu", "sequences", switches, seeds)
+    if plan == "reference":
+        switches = [((), {}), *(((switch,), {}) for switch in REFERENCE_SWITCHES), ALL_REFERENCE]
+        return _variants("ml1m_hstu", "sequences", switches, seeds)
+    if plan == "reference-large":
+        return _variants("ml1m_hstu_large", "sequences", [((), {}), (("rel_bias=shared",), {}), ALL_REFERENCE], seeds)
     raise ValueError(f"unknown plan {plan!r}; choose one of {PLANS}")
 
 
-PLANS = ("calibration", "timebias", "timebias-large", "suspects")
+PLANS = ("calibration", "timebias", "timebias-large", "suspects", "reference", "reference-large")
 
 
 def load_runs(path: Path) -> list[RunSpec]:
@@ -342,15 +363,15 @@ def group_rows(run_rows: list[dict], command: str, date: str) -> list[dict]:
 
 
 def format_table(summary: dict) -> str:
-    """The group rows as a fixed-width table, then every run that did not end well."""
-    header = f"{'flavor':<16} {'data':<24} {'variant':<30} {'n':>2} {'HR@10 ± std':>15} {'NDCG@10':>8} {'HR@10 best-valid':>16}"
+    """The group rows as a fixed-width table (the variant last, whole), then every run that did not end well."""
+    header = f"{'flavor':<16} {'data':<24} {'n':>2} {'HR@10 ± std':>15} {'NDCG@10':>8} {'HR@10 best-valid':>16}  variant"
     lines = [header]
     for g in summary["rows"]:
         best = g.get("best_valid", {}).get("hr@10_mean")
         lines.append(
-            f"{g['flavor']:<16} {g['data'][:24]:<24} {g['variant'][:30]:<30} {len(g['seeds']):>2} "
+            f"{g['flavor']:<16} {g['data'][:24]:<24} {len(g['seeds']):>2} "
             f"{g['hr@10_mean']:>8.4f}±{g['hr@10_std']:.4f} {g['ndcg@10_mean']:>8.4f} "
-            f"{'' if best is None else format(best, '.4f'):>16}"
+            f"{'' if best is None else format(best, '.4f'):>16}  {g['variant']}"
         )
     bad = [r for r in summary["runs"] if r["status"] != "ok"]
     for r in bad:
