@@ -38,6 +38,9 @@ class PlainLayerNorm(nn.Module):
         """``x[..., dim]`` -> the same shape."""
         return apply_layer_norm(self, x)
 
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
 
 def build_layer_norm(dim: int, kind: str) -> nn.Module:
     """A LayerNorm over ``dim`` features of ``kind`` (:data:`BLOCK_NORMS`)."""
