@@ -9,8 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.ml1m_sweep import ALL_REFERENCE, REFERENCE_SWITCHES, check_runs, plan_runs
+from experiments.ml1m_sweep import (
+    ALL_REFERENCE,
+    ONE_SHARD,
+    ONE_SHARD_ROWS,
+    REFERENCE_SWITCHES,
+    SEQUENCES,
+    check_runs,
+    plan_runs,
+    prepare_dataset,
+)
 from foundation.config import apply_overrides
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.model.embeddings import HistoryEmbedding, ItemEmbedding
 from foundation.model.hstu import HSTUBlock
 from foundation.model.norms import PlainLayerNorm
@@ -242,14 +252,49 @@ def test_reference_teacher_trains_every_parameter_and_its_loss_falls():
 
 
 def test_reference_plans_ab_each_switch_and_all_of_them():
+    everything = " ".join(ALL_REFERENCE[0]) + " GEM_KERNELS_FAST_SIGMOID=0"
     runs = plan_runs("reference", [0, 1, 2])
-    variants = {r.variant for r in runs}
-    assert variants == {"default", *REFERENCE_SWITCHES, " ".join(ALL_REFERENCE[0]) + " GEM_KERNELS_FAST_SIGMOID=0"}
-    assert len(runs) == 18 and {r.flavor for r in runs} == {"ml1m_hstu"} and {r.data for r in runs} == {"sequences"}
+    groups = {(r.data, r.variant) for r in runs}
+    assert groups == {
+        *(("sequences", v) for v in ("default", *REFERENCE_SWITCHES)), (ONE_SHARD, "default"), (ONE_SHARD, everything)
+    }
+    assert len(runs) == 21 and {r.flavor for r in runs} == {"ml1m_hstu"}
     large = plan_runs("reference-large", [0, 1, 2])
     assert len(large) == 9 and {r.flavor for r in large} == {"ml1m_hstu_large"}
-    assert {r.variant for r in large} >= {"default", "rel_bias=shared"}
+    assert {(r.data, r.variant) for r in large} == {
+        ("sequences", "default"), ("sequences", "rel_bias=shared"), (ONE_SHARD, everything)
+    }
     check_runs(runs + large)
+
+
+def sequences_file(path, users: int):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{u}\t{' '.join(str((u + i) % 40 + 1) for i in range(5))}\n" for u in range(1, users + 1)))
+    return path.parent
+
+
+def epoch_batches(dataset, epoch: int) -> list[torch.Tensor]:
+    """The train rows (``example_id``, which counts users in file order) of every batch of one epoch."""
+    cfg = DataConfig(path=str(dataset), max_len=200, batch_size=128, num_workers=0, seed=0)
+    stream = EventStream(dataset, "train", cfg, training=True)
+    stream.set_epoch(epoch)
+    return [batch.example_id for batch in build_dataloader(stream, cfg)]
+
+
+def test_one_shard_data_shuffles_all_users_together(tmp_path):
+    """``sequences`` splits 4,200 users into shards of 4,096 and 104 and a batch holds one shard's users (but
+    the one that straddles); ``sequences-one-shard`` holds the same rows, and its batches mix all users."""
+    raw = sequences_file(tmp_path / "raw" / SEQUENCES, 4200)
+    two, one = prepare_dataset("sequences", raw, tmp_path / "out"), prepare_dataset(ONE_SHARD, raw, tmp_path / "out")
+    assert len(list((two / "train").glob("*.parquet"))) == 2 and len(list((one / "train").glob("*.parquet"))) == 1
+    for epoch in (0, 1):
+        split = [b for b in epoch_batches(two, epoch) if (b < 4096).any() and (b >= 4096).any()]
+        assert len(split) <= 1
+        mixed = [b for b in epoch_batches(one, epoch) if (b < 4096).any() and (b >= 4096).any()]
+        assert len(mixed) > 1
+        assert torch.equal(torch.cat(epoch_batches(one, epoch)).sort().values, torch.arange(4200))
+    with pytest.raises(ValueError, match="do not fit"):
+        prepare_dataset(ONE_SHARD, sequences_file(tmp_path / "big" / SEQUENCES, ONE_SHARD_ROWS + 1), tmp_path / "out2")
 
 
 @pytest.mark.parametrize("flavor", ["ml1m_hstu", "ml1m_hstu_large"])
