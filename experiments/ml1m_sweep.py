@@ -382,12 +382,12 @@ def group_rows(run_rows: list[dict], command: str, date: str) -> list[dict]:
 
 def format_table(summary: dict) -> str:
     """The group rows as a fixed-width table (the variant last, whole), then every run that did not end well."""
-    header = f"{'flavor':<16} {'data':<24} {'n':>2} {'HR@10 ± std':>15} {'NDCG@10':>8} {'HR@10 best-valid':>16}  variant"
+    header = f"{'flavor':<16} {'data':<26} {'n':>2} {'HR@10 ± std':>15} {'NDCG@10':>8} {'HR@10 best-valid':>16}  variant"
     lines = [header]
     for g in summary["rows"]:
         best = g.get("best_valid", {}).get("hr@10_mean")
         lines.append(
-            f"{g['flavor']:<16} {g['data'][:24]:<24} {len(g['seeds']):>2} "
+            f"{g['flavor']:<16} {g['data'][:26]:<26} {len(g['seeds']):>2} "
             f"{g['hr@10_mean']:>8.4f}±{g['hr@10_std']:.4f} {g['ndcg@10_mean']:>8.4f} "
             f"{'' if best is None else format(best, '.4f'):>16}  {g['variant']}"
         )

@@ -37,6 +37,7 @@ from tests.test_teacher import (
 )
 
 HSTU_NEXT_ITEM = {"interleave": False, "num_cls": 0, "history_features": (), "abs_pos_emb": True}
+ALL_BLOCK_SWITCHES = {"norm": "plain", "init": "reference", "uvqk_bias": False, "rel_bias": "shared"}
 ALL_SWITCHES = {
     "block_norm": "plain", "block_init": "reference", "uvqk_bias": False, "rel_bias": "shared",
     "embedding_init": "reference",
@@ -154,6 +155,34 @@ def test_uvqk_without_bias_drops_exactly_its_bias():
     u = without.split_uvqk(x)[0]
     normed = F.layer_norm(x, (8,), without.input_norm.weight, without.input_norm.bias)
     torch.testing.assert_close(u, F.silu(normed @ without.uvqk.weight.T)[:, :8])
+
+
+def attention_output_variance(block: HSTUBlock, x: torch.Tensor, attention_norm: int) -> float:
+    """Median over tokens of the variance of the attention output that the block's second norm receives."""
+    n = x.shape[0]
+    _, v, q, k = block.split_uvqk(x)
+    attn = jagged_attention(q, k, v, offsets_of([n]), n, activation="silu", causal=True, alpha=1.0,
+                            pos_bias=block.pos_bias, time_bias=block.time_bias, timestamps=torch.arange(n),
+                            backend="pytorch")
+    return float((attn.reshape(n, -1) * (n / attention_norm)).var(-1).median())
+
+
+@torch.no_grad()
+def test_reference_block_starts_with_attention_outputs_below_its_eps():
+    """At init the reference's attention outputs are far below its norm's eps 1e-6, so its plain norm starts
+    as a damped linear map (and 1/N matters); ours are far above eps 1e-5, so the norm only rescales them.
+    The tokens are ML-1M's at init under each embedding_init: sqrt(50) * item + position."""
+    for reference in (False, True):
+        torch.manual_seed(0)
+        block = HSTUBlock(50, 1, 50, 50, dropout=0.0, alpha=1.0, pos_buckets=202, time_buckets=128,
+                          attention_norm=200, **(ALL_BLOCK_SWITCHES if reference else {}))
+        item_std, position_std = (0.02 * 0.8796, math.sqrt(2 / 250)) if reference else (0.02, math.sqrt(1 / 50))
+        x = math.sqrt(50) * item_std * torch.randn(150, 50) + position_std * torch.randn(150, 50)
+        variance = attention_output_variance(block, x, 200)
+        if reference:
+            assert variance < 0.1 * block.attn_norm.eps
+        else:
+            assert variance > 3 * block.attn_norm.eps
 
 
 # -- rel_bias ---------------------------------------------------------------------------------------------
