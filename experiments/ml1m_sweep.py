@@ -5,7 +5,7 @@ Usage (from the repository root; ``--raw`` holds ``sequences.tsv`` and ``ratings
 
     python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan calibration --seeds 0,1,2
     python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan timebias --plan suspects
-    python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan reference --parallel 18
+    python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan reference --parallel 21
     python -m experiments.ml1m_sweep run --raw ... --runs my_runs.json          # runs of your own
     python -m experiments.ml1m_sweep merge /tmp/sweep/summary.json docs/results/ml1m.json
 
