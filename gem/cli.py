@@ -293,7 +293,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     from value_models.serving import BudgetError
 
     try:
-        report = run_quickstart(args.recipe, args.out)
+        report = run_quickstart(args.recipe, args.out, p99_ms=args.p99_ms)
     except (BudgetError, StoreError, PipelineError) as exc:
         raise CLIError(str(exc)) from exc
     _write_json(args.json, report)
@@ -459,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     qs.add_argument("--recipe", default="debug", help="gem/flavors.py MISSION_RECIPES: debug (make quickstart), tiny")
     qs.add_argument("--out", default="runs/quickstart", help="where its runs, store and report.json go")
+    qs.add_argument("--p99-ms", type=float, help="the packaged student's p99 budget (default: the recipe's, 20 ms)")
     qs.add_argument("--json", help="also write the report here")
     qs.set_defaults(fn=cmd_quickstart)
     return parser

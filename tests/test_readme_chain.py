@@ -44,7 +44,8 @@ TINY = {
     "curl -s -X POST": "",
     "gem data convert": "",
     "gem train --flavor ml1m_hstu": "train.max_epochs=1",
-    "gem quickstart": "--recipe tiny",
+    # The chain's checks are not latency checks: a loaded CI machine stretches p99 past any budget.
+    "gem quickstart": "--recipe tiny --p99-ms 1000",
 }
 
 
