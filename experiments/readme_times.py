@@ -192,6 +192,7 @@ def time_chain(args: argparse.Namespace) -> list[Timing]:
     work.mkdir(parents=True, exist_ok=args.reuse)
     env = gem_environment(work, tuple(args.path))
     extra = parse_pairs(args.extra, "--extra")
+    skips = parse_pairs(args.skip, "--skip")
     rows: list[Timing] = []
     server = None
     started = time.perf_counter()
@@ -201,7 +202,7 @@ def time_chain(args: argparse.Namespace) -> list[Timing]:
                 if apply_export(command, env) or number < args.start:
                     continue
                 left = args.budget - (time.perf_counter() - started)
-                skip = [reason for prefix, reason in parse_pairs(args.skip, "--skip").items() if command.startswith(prefix)]
+                skip = [reason for prefix, reason in skips.items() if command.startswith(prefix)]
                 if args.only and number not in args.only:
                     skip.append("not in --only")
                 if skip:

@@ -14,13 +14,11 @@ import os
 import re
 import signal
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from experiments.readme_times import DOWNLOAD, apply_export, gem_environment, readme_commands
+from experiments.readme_times import DOWNLOAD, apply_export, gem_environment, readme_commands, wait_for_ping
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -56,18 +54,6 @@ def write_ratings(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def wait_for_server(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited: {proc.stdout.read()}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError("mlflow models serve did not come up")
-
-
 def test_every_readme_command_runs_in_order(tmp_path):
     commands = readme_commands()
     env = gem_environment(tmp_path)
@@ -86,7 +72,8 @@ def test_every_readme_command_runs_in_order(tmp_path):
             if command.endswith("&"):
                 server = subprocess.Popen(full, shell=True, cwd=tmp_path, env=env, text=True, start_new_session=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                wait_for_server(int(re.search(r"-p (\d+)", command).group(1)), server)
+                port = int(re.search(r"-p (\d+)", command).group(1))
+                assert wait_for_ping(port, server, timeout=120), f"mlflow models serve did not come up: {command}"
                 continue
             done = subprocess.run(full, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
             assert done.returncode == 0, f"{full}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
