@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> dict:
         batch_size=args.batch_size,
         num_workers=args.workers,
         seed=args.seed,
+        shuffle_window=args.shuffle_window,
     )
     eval_cfg = DataConfig(
         path=str(dataset), max_len=cfg.max_len, batch_size=args.eval_batch_size, num_workers=args.workers
@@ -231,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
         "--workers", type=int, default=0, help="DataLoader workers (0: read in this process, row groups cached)"
+    )
+    parser.add_argument(
+        "--shuffle-window",
+        type=int,
+        default=0,
+        help="row groups shuffled together (0: all: every epoch one permutation of all users; 1: per row group)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

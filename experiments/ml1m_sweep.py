@@ -15,9 +15,12 @@ Datasets (``data`` of a run), converted with the HSTU protocol into ``<out>/data
 - ``ratings``: ``ratings-users-0001-2999.dat.gz`` (users 1-2999, real timestamps) with
   ``ties="sequence"``: events that share a timestamp follow ``sequences.tsv``, so order and
   leave-one-out targets are those of ``sequences.tsv`` and only the timestamps differ;
-- ``sequences-one-shard``: ``sequences.tsv`` in one shard of one row group, so that every epoch is one
-  permutation of all users (the reference's sampler). ``sequences`` has two shards (4,096 + 1,944 users);
-  an epoch shuffles the two and the users inside each, so every batch but one holds users of one shard.
+- ``sequences-one-shard``: ``sequences.tsv`` in one shard of one row group. ``sequences`` has two shards
+  (4,096 + 1,944 users); with ``--shuffle-window 1`` (every run before 2026-12-01's reference sweep) an
+  epoch shuffles the two and the users inside each, so every batch but one holds users of one shard, and
+  only this dataset gives every epoch one permutation of all users (the reference's sampler). The
+  sweep's runs now shuffle all row groups together (``experiments.ml1m_hstu --shuffle-window 0``, the
+  default since that sweep), which makes the two datasets train alike.
 
 Plans (``--plan``, repeatable; each run once per ``--seeds`` seed):
 

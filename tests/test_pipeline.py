@@ -30,9 +30,10 @@ def _raw(dataset, split="train") -> dict[int, dict]:
     return {r["example_id"]: r for r in table.to_pylist()}
 
 
-def test_every_row_exactly_once_with_most_recent_history(dataset):
+@pytest.mark.parametrize("window", [1, 2, 0])
+def test_every_row_exactly_once_with_most_recent_history(dataset, window):
     raw = _raw(dataset)
-    batches = list(EventStream(dataset, "train", _cfg(dataset), training=True))
+    batches = list(EventStream(dataset, "train", _cfg(dataset, shuffle_window=window), training=True))
     assert sorted(_ids(batches)) == sorted(raw)
     for b in batches:
         assert b.offsets[0] == 0 and b.offsets[-1] == b.history["item_ids"].numel()
@@ -96,10 +97,44 @@ def test_ranks_and_workers_partition_the_data(dataset, world_size, workers):
     assert all(seen)
 
 
-@pytest.mark.parametrize("workers", [0, 2, 3])
+def _row_group_of(dataset) -> dict[int, tuple[int, int]]:
+    out = {}
+    for i, shard in enumerate(list_shards(dataset, "train")):
+        file = pq.ParquetFile(shard)
+        for g in range(file.num_row_groups):
+            out.update({eid: (i, g) for eid in file.read_row_group(g, columns=["example_id"])["example_id"].to_pylist()})
+    return out
+
+
+def test_a_whole_window_shuffles_rows_across_row_groups(dataset):
+    """One row group at a time, a batch holds rows of the few row groups it straddles; a window of
+    all of them is one permutation of the split: batches draw on many row groups, and the order changes with
+    the epoch."""
+    group_of = _row_group_of(dataset)
+
+    def batches(window, epoch=0):
+        stream = EventStream(dataset, "train", _cfg(dataset, shuffle_window=window), training=True)
+        stream.set_epoch(epoch)
+        return [b.example_id.tolist() for b in stream]
+
+    def groups(batches) -> list[int]:
+        return [len({group_of[i] for i in ids}) for ids in batches]
+
+    per_group, whole = batches(1), batches(0)
+    assert max(groups(per_group)) <= 3 and sorted(groups(per_group))[len(per_group) // 2] <= 2
+    assert sorted(groups(whole))[len(whole) // 2] >= 6
+    assert batches(0, epoch=1) != whole
+
+
+def test_shuffle_window_must_not_be_negative(dataset):
+    with pytest.raises(ValueError, match="shuffle_window=-1"):
+        _cfg(dataset, shuffle_window=-1)
+
+
+@pytest.mark.parametrize("workers, window", [(0, 1), (2, 1), (3, 1), (0, 0), (2, 2)])
 @pytest.mark.parametrize("where", [0.1, 0.5, 0.99])
-def test_skip_resumes_each_stream_exactly(dataset, workers, where):
-    cfg = _cfg(dataset, num_workers=workers)
+def test_skip_resumes_each_stream_exactly(dataset, workers, window, where):
+    cfg = _cfg(dataset, num_workers=workers, shuffle_window=window)
     full = list(build_dataloader(EventStream(dataset, "train", cfg, training=True), cfg))
     cut = max(1, int(len(full) * where))
     consumed: dict[int, int] = {}

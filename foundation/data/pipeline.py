@@ -2,7 +2,9 @@
 
 The unit of work is a Parquet row group. Per epoch, the row groups of a split are shuffled with
 ``(seed, epoch)`` and dealt round-robin to the ``world_size * num_workers`` streams; stream
-``s = rank * num_workers + worker``. Each stream shuffles the rows of its row groups, packs them
+``s = rank * num_workers + worker``. Each stream takes its row groups ``shuffle_window`` at a time,
+shuffles the rows of each window as one (0, every row group: one permutation of the whole split, as
+a small dataset's epoch wants; 1: rows mix only within a row group), packs them
 into batches of at most ``batch_size`` rows and ``token_budget`` history tokens (after most-recent
 truncation to ``max_len``), and numbers its batches. A trainer that records the last consumed
 batch index of every stream can resume exactly: the streams are rebuilt identically and skip what
@@ -34,7 +36,8 @@ class DataConfig:
     """Where a dataset lives and how it is batched.
 
     ``token_budget`` bounds the history tokens of a batch (0: only ``batch_size`` bounds it); it
-    must be at least ``max_len`` so that any single row fits. ``verify_sha256`` checks each shard against
+    must be at least ``max_len`` so that any single row fits. ``shuffle_window`` row groups of a stream
+    are shuffled together (0: all of them; memory: that many row groups at once). ``verify_sha256`` checks each shard against
     its ``.sha256`` once per process before reading it (:func:`foundation.data.io.open_shard`); page CRCs
     are checked at every read either way.
     """
@@ -52,10 +55,13 @@ class DataConfig:
     policy: str = "error"
     pin_memory: bool = False
     verify_sha256: bool = True
+    shuffle_window: int = 1
 
     def __post_init__(self) -> None:
         if self.max_len < 1 or self.batch_size < 1:
             raise ValueError("data.max_len and data.batch_size must be positive")
+        if self.shuffle_window < 0:
+            raise ValueError(f"data.shuffle_window={self.shuffle_window} must be 0 (all) or positive")
         if self.token_budget and self.token_budget < self.max_len:
             raise ValueError(f"data.token_budget={self.token_budget} must be 0 or >= data.max_len={self.max_len}")
 
@@ -78,6 +84,30 @@ class RowBlock:
     def history_lengths(self) -> np.ndarray:
         offsets = self.jagged["history_item_ids"][0]
         return offsets[1:] - offsets[:-1]
+
+
+def concat_blocks(blocks: list[RowBlock]) -> RowBlock:
+    """The rows of ``blocks`` in order as one block (jagged offsets shifted past the earlier blocks)."""
+    if len(blocks) == 1:
+        return blocks[0]
+
+    def jagged(name: str) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.cumsum([0] + [b.jagged[name][0][-1] for b in blocks[:-1]])
+        offsets = [b.jagged[name][0][:-1] + s for b, s in zip(blocks, starts, strict=True)]
+        total = starts[-1] + blocks[-1].jagged[name][0][-1]
+        return np.concatenate([*offsets, [total]]), np.concatenate([b.jagged[name][1] for b in blocks])
+
+    def cat(get) -> dict[str, np.ndarray]:
+        return {k: np.concatenate([get(b)[k] for b in blocks]) for k in get(blocks[0])}
+
+    return RowBlock(
+        scalars=cat(lambda b: b.scalars),
+        jagged={name: jagged(name) for name in blocks[0].jagged},
+        dense=np.concatenate([b.dense for b in blocks]),
+        labels=cat(lambda b: b.labels),
+        label_mask=cat(lambda b: b.label_mask),
+        oracle=cat(lambda b: b.oracle),
+    )
 
 
 def _jagged_parts(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -301,11 +331,15 @@ class EventStream(IterableDataset):
         skip = self.skip.get(stream, 0)
         packer = _Packer(self.cfg.batch_size, self.cfg.token_budget, self.cfg.max_len)
         index = 0
-        for shard, rg in self.stream_units(stream, self.world_size * workers):
-            block = self.load_block(shard, rg)
+        units = self.stream_units(stream, self.world_size * workers)
+        window = self.cfg.shuffle_window or max(len(units), 1)
+        for first in range(0, len(units), window):
+            group = units[first : first + window]
+            block = concat_blocks([self.load_block(shard, rg) for shard, rg in group])
             order = np.arange(block.num_rows)
             if self.shuffle:
-                order = np.random.default_rng([self.cfg.seed, self.epoch, rg, *shard.stem.encode()]).permutation(order)
+                key = [k for shard, rg in group for k in (rg, *shard.stem.encode())]
+                order = np.random.default_rng([self.cfg.seed, self.epoch, *key]).permutation(order)
             for pieces in packer.add(block, order):
                 if index >= skip:
                     yield build_batch(pieces, self.schema, self.cfg.max_len, BatchPosition(self.epoch, stream, index))
