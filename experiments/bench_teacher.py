@@ -45,6 +45,7 @@ the steps it took before (its first reported loss is not a fresh model's). Resul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -57,6 +58,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 _T0 = time.perf_counter()
@@ -78,6 +80,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from experiments.kernel_groups import kernel_breakdown  # noqa: E402
+from experiments.op_count import count_steps, format_counts  # noqa: E402
+from foundation.config import apply_overrides  # noqa: E402
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  # noqa: E402
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
@@ -97,6 +101,7 @@ def prepare_world(args: argparse.Namespace, directory: Path) -> dict:
         "large",
         num_examples=args.examples,
         num_users=args.users or max(args.examples // 10, 64),
+        **({"num_items": args.items} if args.items else {}),
         max_history=args.world_max_history,
         seed=args.seed,
     )
@@ -113,17 +118,12 @@ def prepare_world(args: argparse.Namespace, directory: Path) -> dict:
 def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict) -> dict:
     """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses."""
     use_cuda = device.type == "cuda"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     stream = EventStream(data_dir, "train", data_cfg, training=True)
     times, flops, tokens, rows, max_lens, losses = [], [], [], [], [], []
+    train_step = make_eager_step(model, optimizer, device, args.precision)
 
     def step(batch) -> torch.Tensor:
-        batch = batch.to(device, non_blocking=True)
-        with autocast:
-            loss = model.loss(batch, model(batch))["loss"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = train_step(batch)
         if use_cuda:
             torch.cuda.synchronize(device)
         return loss
@@ -159,7 +159,38 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
         trace["sync_points"] = find_sync_points(step, extra)
     if args.profile:
         trace["profile"] = profile_steps(step, batches, args.profile, use_cuda)
+    if args.count_ops:
+        counts = count_steps(
+            lambda phase, batch: train_step(batch, phase), batches, args.count_ops, interpret=args.interpret_kernels
+        )
+        print(format_counts(counts), flush=True)
+        trace["op_counts"] = counts
     return trace
+
+
+def make_eager_step(model, optimizer, device: torch.device, precision: str) -> Callable:
+    """``step(batch, phase)``: one AdamW step on a host batch under bf16 autocast (``precision="bf16"``), its
+    parts inside ``phase("forward")``, ``phase("backward")`` and ``phase("optimizer")`` (for
+    :func:`experiments.op_count.count_steps`); returns the loss on the device, without a sync."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step(batch, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase) -> torch.Tensor:
+        with phase("forward"):
+            batch = batch.to(device, non_blocking=True)
+            with autocast:
+                loss = model.loss(batch, model(batch))["loss"]
+        with phase("backward"):
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        with phase("optimizer"):
+            optimizer.step()
+        return loss
+
+    return step
+
+
+def no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def find_sync_points(step, batch) -> list[dict]:
@@ -301,14 +332,14 @@ def run(args: argparse.Namespace) -> dict:
         world = prepare_world(args, data_dir)
         print(f"world: {json.dumps(world)}", flush=True)
         schema = EventSchema.load(data_dir)
-        cfg = teacher_flavor(args.flavor)
+        cfg = teacher_config(args)
         max_history = args.max_history or cfg.max_len
         if max_history > cfg.max_len:
             raise ValueError(f"--max-history {max_history} exceeds the flavor's max_len {cfg.max_len}")
         marks: dict = {"build_start": time.perf_counter()}
         model = build_teacher(cfg, schema).to(device)
-        fused = device.type == "cuda"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=fused)
+        # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         marks["build_s"] = time.perf_counter() - marks["build_start"]
@@ -370,6 +401,24 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+# Widths small enough for a CPU step at the `large` flavor's structure (layers, heads, tokens per row and
+# block, experts, negatives unchanged): what --count-ops measures the host work of.
+CPU_WIDTHS = {
+    "d_model": 64, "item_dim": 32, "attn_dim": 16, "value_dim": 16, "pffn_hidden": 64, "pffn_summary_dim": 8,
+    "wukong_rank": 4, "wukong_hidden": 64, "dcn_rank": 8, "expert_hidden": 64, "expert_dim": 32, "repr_dim": 32,
+}
+
+
+def teacher_config(args: argparse.Namespace):
+    """The flavor's config, at ``CPU_WIDTHS`` with ``--cpu-widths``, then with the ``field=value`` overrides."""
+    cfg = teacher_flavor(args.flavor)
+    if args.cpu_widths:
+        cfg = cfg.replace(**CPU_WIDTHS)
+    apply_overrides(cfg, args.overrides)
+    cfg.check()
+    return cfg
+
+
 def _triton_version() -> str | None:
     try:
         import triton
@@ -400,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", default=None, help="world dir: reused if it holds a dataset, else generated")
     parser.add_argument("--examples", type=int, default=80_000, help="impressions of a generated world")
     parser.add_argument("--users", type=int, default=0, help="users of a generated world (0: examples / 10)")
+    parser.add_argument("--items", type=int, default=0, help="items of a generated world (0: the preset's 500,000)")
     parser.add_argument("--world-max-history", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--oom-retries", type=int, default=2)
@@ -413,6 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync-check", action="store_true", help="after the timed steps, list where one more step syncs with the host (CUDA)"
     )
     parser.add_argument("--compare-losses", default=None, metavar="REF.json", help="another run's --json to compare losses with")
+    parser.add_argument(
+        "--count-ops", type=int, default=0, metavar="N",
+        help="after the timed steps, count the ATen operators and Triton launches of N steps, then time the host of N more",
+    )
+    parser.add_argument(
+        "--interpret-kernels", action="store_true",
+        help="with --count-ops on CPU, run the Triton interpreter's launches (slow) instead of only counting them",
+    )
+    parser.add_argument(
+        "--cpu-widths", action="store_true", help="the flavor's structure at CPU-sized widths (CPU_WIDTHS), e.g. for --count-ops"
+    )
+    parser.add_argument("overrides", nargs="*", help="teacher config fields, e.g. dropout=0.0 num_layers=4")
     parser.add_argument("--record", default=None, metavar="PATH", help="append the headline figures to this JSON table")
     parser.add_argument("--record-label", default=None, help="a label for the recorded row (e.g. 'after issue 15')")
     return parser
