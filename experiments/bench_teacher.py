@@ -86,6 +86,7 @@ from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
 from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
+from foundation.model.precision import CastOnce  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
 from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
@@ -120,7 +121,7 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
     use_cuda = device.type == "cuda"
     stream = EventStream(data_dir, "train", data_cfg, training=True)
     times, flops, tokens, rows, max_lens, losses = [], [], [], [], [], []
-    train_step = make_eager_step(model, optimizer, device, args.precision)
+    train_step = make_eager_step(model, optimizer, device, args.precision, cast_once=args.cast_once)
 
     def step(batch) -> torch.Tensor:
         loss = train_step(batch)
@@ -168,20 +169,27 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
     return trace
 
 
-def make_eager_step(model, optimizer, device: torch.device, precision: str) -> Callable:
+def make_eager_step(model, optimizer, device: torch.device, precision: str, *, cast_once: bool = True) -> Callable:
     """``step(batch, phase)``: one AdamW step on a host batch under bf16 autocast (``precision="bf16"``), its
     parts inside ``phase("forward")``, ``phase("backward")`` and ``phase("optimizer")`` (for
-    :func:`experiments.op_count.count_steps`); returns the loss on the device, without a sync."""
+    :func:`experiments.op_count.count_steps`); returns the loss on the device, without a sync. ``cast_once``:
+    the parameters autocast casts at every use are cast once per step (:class:`CastOnce`, same values)."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    once = CastOnce(model) if cast_once and precision == "bf16" else None
 
     def step(batch, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase) -> torch.Tensor:
         with phase("forward"):
             batch = batch.to(device, non_blocking=True)
             with autocast:
-                loss = model.loss(batch, model(batch))["loss"]
+                if once is None:
+                    loss = model.loss(batch, model(batch))["loss"]
+                else:
+                    loss = once.run(lambda forward: model.loss(batch, forward(batch)))["loss"]
         with phase("backward"):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if once is not None:
+                once.collect_grads()
         with phase("optimizer"):
             optimizer.step()
         return loss
@@ -445,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the fused LayerNorm and row modulation (kernel switch glue_backend): pytorch = the unfused references",
     )
     parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    parser.add_argument(
+        "--cast-once", action=argparse.BooleanOptionalAction, default=True,
+        help="bf16 copies of the parameters autocast casts at every use, made once per step (same values)",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--data", default=None, help="world dir: reused if it holds a dataset, else generated")
     parser.add_argument("--examples", type=int, default=80_000, help="impressions of a generated world")

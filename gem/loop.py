@@ -17,6 +17,7 @@ from torch import nn
 
 from foundation.data.batch import JaggedBatch
 from foundation.model.flops import peak_flops, throughput_metrics
+from foundation.model.precision import CastOnce
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -35,6 +36,7 @@ def train_step(
     forward: Callable[[JaggedBatch], object] | None = None,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     clip: Callable[[float], object] | None = None,
+    cast_once: CastOnce | None = None,
 ) -> dict[str, torch.Tensor]:
     """One optimiser step on a device batch; returns ``model.loss``'s terms (``"loss"`` is the total).
 
@@ -42,12 +44,21 @@ def train_step(
     ``loss * loss_weight`` (a rank's share of a global mean), gradients clipped to norm ``grad_clip`` when it
     is positive (``clip(grad_clip)``, default: over ``model.parameters()``), then ``optimizer.step()``.
     ``forward`` defaults to ``model``; a trainer passes its own to feed extra inputs (teacher outputs).
+    ``cast_once`` (a :class:`~foundation.model.precision.CastOnce` of ``model``, kept across steps, with the
+    default ``forward``) casts the parameters autocast would cast at every use once per step instead.
     """
+    if cast_once is not None and forward is not None:
+        raise ValueError("train_step: cast_once runs the model's own forward; pass one or the other")
     forward = forward or model
     with autocast(batch.candidate.device, autocast_dtype):
-        losses = model.loss(batch, forward(batch))
+        if cast_once is None:
+            losses = model.loss(batch, forward(batch))
+        else:
+            losses = cast_once.run(lambda model_forward: model.loss(batch, model_forward(batch)))
     optimizer.zero_grad(set_to_none=True)
     backward(losses["loss"] * loss_weight if loss_weight != 1.0 else losses["loss"])
+    if cast_once is not None:
+        cast_once.collect_grads()
     if grad_clip > 0:
         if clip is None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -102,15 +113,18 @@ def train_epoch(
     autocast_dtype: torch.dtype | None = None,
     max_steps: int = -1,
     deadline: float | None = None,
+    cast_once: bool = False,
 ) -> dict:
     """One pass of :func:`train_step` over ``batches`` (at most ``max_steps`` when >= 0, and none begun after
     the ``time.perf_counter()`` value ``deadline``).
 
     Returns the mean loss, the step and row counts, the model FLOPs trained (``flops``, the sum of
     ``model.flops(batch)`` over the steps; 0 for a model without a counter) and :class:`Throughput`'s figures
-    over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32).
+    over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32). ``cast_once`` runs
+    :func:`train_step` with a :class:`~foundation.model.precision.CastOnce` of the model (autocast only).
     """
     device = next(model.parameters()).device
+    once = CastOnce(model, autocast_dtype) if cast_once and autocast_dtype is not None else None
     meter = Throughput(model, device, "bf16-mixed" if autocast_dtype == torch.bfloat16 else "32-true")
     total_loss, steps, rows = torch.zeros((), device=device), 0, 0
     for batch in batches:
@@ -118,7 +132,8 @@ def train_epoch(
             break
         meter.count(batch)
         losses = train_step(
-            model, batch.to(device, non_blocking=True), optimizer, grad_clip=grad_clip, autocast_dtype=autocast_dtype
+            model, batch.to(device, non_blocking=True), optimizer, grad_clip=grad_clip, autocast_dtype=autocast_dtype,
+            cast_once=once,
         )
         total_loss += losses["loss"].detach()  # summed on the device: no per-step sync
         steps += 1
