@@ -78,6 +78,7 @@ def process_age_s() -> float:
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch.utils.data import IterableDataset  # noqa: E402
 
 from experiments.kernel_groups import kernel_breakdown  # noqa: E402
 from experiments.op_count import count_steps, format_counts  # noqa: E402
@@ -86,9 +87,11 @@ from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
 from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
+from foundation.model.padding import PaddedBatch, StaticShapes, pad_batch, static_shapes  # noqa: E402
 from foundation.model.precision import CastOnce  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
+from gem.loop import GraphConfig, StaticStep  # noqa: E402
 from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
 
 PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
@@ -120,24 +123,34 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
     """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses."""
     use_cuda = device.type == "cuda"
     stream = EventStream(data_dir, "train", data_cfg, training=True)
-    times, flops, tokens, rows, max_lens, losses = [], [], [], [], [], []
+    times, flops, tokens, rows, max_lens, losses, padded = [], [], [], [], [], [], []
     train_step = make_eager_step(model, optimizer, device, args.precision, cast_once=args.cast_once)
+    shapes = static_shapes(data_cfg.token_budget, data_cfg.max_len, args.bucketed) if args.bucketed else None
+    static_step = None
+    if shapes is not None:
+        graphs = GraphConfig(cuda_graphs=args.cuda_graphs, warmup_steps=args.graph_warmup)
+        autocast_dtype = torch.bfloat16 if args.precision == "bf16" else None
+        static_step = StaticStep(model, optimizer, autocast_dtype=autocast_dtype, config=graphs, log=log_line)
 
     def step(batch) -> torch.Tensor:
-        loss = train_step(batch)
+        # A padded batch is copied from pinned host memory into its bucket's buffers.
+        loss = static_step(batch) if isinstance(batch, PaddedBatch) else train_step(batch)
         if use_cuda:
             torch.cuda.synchronize(device)
         return loss
 
-    batches = iter(build_dataloader(stream, data_cfg))
+    loader = build_dataloader(PaddedBatches(stream, shapes) if shapes else stream, data_cfg)
+    batches = iter(loader)
     start = last = time.perf_counter()
     for batch in batches:
         if len(times) == args.steps:
             break
-        flops.append(model.flops(batch))  # on the host copy: no device sync
-        tokens.append(batch.num_tokens)
-        rows.append(batch.batch_size)
-        max_lens.append(batch.max_len)
+        flops.append(model.flops(batch))  # on the host copy: no device sync; real rows of a padded batch
+        real = batch.real_rows if isinstance(batch, PaddedBatch) else batch.batch_size
+        tokens.append(int(batch.offsets[real]))
+        rows.append(real)
+        max_lens.append(int(batch.lengths[:real].max()) if real else 0)
+        padded.append(isinstance(batch, PaddedBatch))
         loss = step(batch)
         now = time.perf_counter()
         losses.append(float(loss.detach()))
@@ -155,6 +168,16 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
             print(f"time limit {args.time_limit} s reached after {len(times)} steps", flush=True)
             break
     trace = {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
+    if static_step is not None:
+        trace["static"] = {
+            "bucket_rows": list(shapes.rows),
+            "padded_steps": sum(padded),
+            "eager_steps": len(padded) - sum(padded),
+            "buckets_used": len(static_step.slots),
+            "graphs_captured": static_step.graphs,
+            "cuda_graphs": args.cuda_graphs and not static_step.graphs_off,
+            "padded": padded,
+        }
     extra = next(batches, None) if args.sync_check and use_cuda else None
     if extra is not None:
         trace["sync_points"] = find_sync_points(step, extra)
@@ -167,6 +190,22 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
         print(format_counts(counts), flush=True)
         trace["op_counts"] = counts
     return trace
+
+
+class PaddedBatches(IterableDataset):
+    """The stream's batches padded to static shapes (in the DataLoader's workers, so they are pinned as
+    usual); a batch no bucket holds passes unpadded."""
+
+    def __init__(self, stream: EventStream, shapes: StaticShapes) -> None:
+        self.stream, self.shapes = stream, shapes
+
+    def __iter__(self):
+        for batch in self.stream:
+            yield pad_batch(batch, self.shapes) or batch
+
+
+def log_line(line: str) -> None:
+    print(line, flush=True)
 
 
 def make_eager_step(model, optimizer, device: torch.device, precision: str, *, cast_once: bool = True) -> Callable:
@@ -476,6 +515,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--compare-losses", default=None, metavar="REF.json", help="another run's --json to compare losses with")
     parser.add_argument(
+        "--bucketed", default=None, metavar="ROWS",
+        help="pad each batch to --token-budget tokens and the smallest of these row counts (e.g. 96,128,192) that "
+        "holds it, and train those through gem.loop.StaticStep (static buffers per bucket)",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="with --bucketed: capture each bucket's dense forward and backward into a CUDA graph and replay it",
+    )
+    parser.add_argument("--graph-warmup", type=int, default=1, help="eager steps per bucket before its capture")
+    parser.add_argument(
         "--count-ops", type=int, default=0, metavar="N",
         help="after the timed steps, count the ATen operators and Triton launches of N steps, then time the host of N more",
     )
@@ -495,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.cuda_graphs and not args.bucketed:
+        raise SystemExit("--cuda-graphs replays static shapes: pass --bucketed ROWS too")
     if args.compare_losses and not Path(args.compare_losses).is_file():
         raise SystemExit(f"--compare-losses: {args.compare_losses} does not exist")
     command = command_line(argv)
@@ -511,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["kernel_groups"] = result["trace"]["profile"]["groups"]
     if "sync_points" in result["trace"]:
         summary["sync_points"] = result["trace"]["sync_points"]
+    if "static" in result["trace"]:
+        summary["static"] = {k: v for k, v in result["trace"]["static"].items() if k != "padded"}
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 
