@@ -206,7 +206,7 @@ class StaticStep:
         if config.cuda_graphs and self.device.type != "cuda":
             self.graphs_off = True
             log(f"cuda graphs off: the model is on {self.device.type}; eager steps")
-        self.pool = None
+        self.pool = self.side_stream = None
 
     @property
     def graphs(self) -> int:
@@ -244,6 +244,7 @@ class StaticStep:
         if key not in self.slots:
             self.slots[key] = _Slot(_static_copy(batch, self.device))
         return self.slots[key]
+
     def run_dense(self, slot: _Slot) -> tuple[torch.Tensor, tuple]:
         """The dense forward and backward on the slot's buffers: replayed, captured then replayed, or eager."""
         if slot.graph is not None:
@@ -258,13 +259,17 @@ class StaticStep:
             except Exception as err:  # whatever stopped the capture: run eagerly from now on
                 self.graphs_off = True
                 slot.graph = slot.outputs = None
-                self.log(f"cuda graphs off: capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); eager from now on")
+                # What the kernels derived from these buffers during the capture was never computed.
+                for t in _batch_tensors(slot.batch):
+                    torch.autograd.graph.increment_version(t)
+                reason = str(err).splitlines()[0][:200] if str(err) else ""
+                self.log(f"cuda graphs off: capture failed ({type(err).__name__}: {reason}); eager from now on")
         if use_graph:  # warm-up steps run on a side stream, as a capture does
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
+            self.side_stream = self.side_stream or torch.cuda.Stream(self.device)
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side_stream):
                 outputs = self.dense(slot)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             return outputs
         return self.dense(slot)
 
