@@ -34,6 +34,24 @@ fused glue kernels against ``--glue-backend pytorch``. ``--record docs/results/t
 the headline figures (MFU, tokens/s, median step, first step after the build, the command, date and
 device) to that file as one row.
 
+``--bucketed ROWS`` pads every batch (in the DataLoader's workers) to ``--token-budget`` tokens and the
+smallest of the comma-separated row counts that holds it (:mod:`foundation.model.padding`: the loss and
+gradients do not change) and trains those through :class:`gem.loop.StaticStep`, one set of static buffers
+per bucket; ``--cuda-graphs`` then captures each bucket's dense forward and backward into a CUDA graph
+after ``--graph-warmup`` eager steps and replays it (a failed capture prints one line and runs eagerly).
+Throughput counts the real rows and tokens only. ``--no-cast-once`` restores autocast's cast of every
+parameter at every use (:class:`foundation.model.precision.CastOnce` casts once per step, same values).
+
+``--count-ops N`` (after the timed steps; ``--steps 0`` for none) counts the ATen operators and Triton
+launches of ``N`` eager steps by phase, kind and source line, then times the host of ``N`` more
+(:mod:`experiments.op_count`); with ``--cpu-widths`` the flavor keeps its structure at CPU-sized widths,
+a proxy for the GPU step's host work. Trailing ``field=value`` arguments override the teacher config (e.g.
+``dropout=0.0``). CPU proxy of the ``large`` step (the Triton kernels counted, not interpreted)::
+
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m experiments.bench_teacher --flavor large --cpu-widths \
+        --steps 0 --count-ops 3 --rows 256 --examples 3000 --items 2000 --workers 0 --token-budget 512 \
+        --max-history 64 --data /tmp/world-small --backend triton --glue-backend triton
+
 ``--backend pytorch`` runs every attention of the model on the padded PyTorch reference (through
 the kernel switch ``backend``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
 short ``--max-history`` and a small budget. On CUDA out-of-memory the run retries at half the
