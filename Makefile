@@ -20,8 +20,10 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 
 install: $(STAMP)
 
+# One thread per process: a little slower on an idle 2-core machine, several times faster when anything else
+# runs beside it (docs/benchmarks.md, "README commands").
 quickstart: $(STAMP)
-	$(BIN)/gem quickstart
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/gem quickstart
 	@echo "Runs are in ./mlflow.db. Browse them with: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db"
 
 test: $(STAMP)

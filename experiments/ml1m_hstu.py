@@ -8,6 +8,7 @@ Usage::
     python -m experiments.ml1m_hstu --data ... --time-budget 400              # stop within ~400 s
     python -m experiments.ml1m_hstu --data ... num_negatives=512              # teacher config overrides
     python -m experiments.ml1m_hstu --data ... query_time=event                # the A/B switches
+    python -m experiments.ml1m_hstu --data ... block_init=reference block_norm=plain   # docs/ml1m_reference_diff.md
 
 Many runs at once on one GPU machine: :mod:`experiments.ml1m_sweep`.
 

@@ -5,6 +5,7 @@ Usage (from the repository root; ``--raw`` holds ``sequences.tsv`` and ``ratings
 
     python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan calibration --seeds 0,1,2
     python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan timebias --plan suspects
+    python -m experiments.ml1m_sweep run --raw .mldata --out /tmp/sweep --plan reference --parallel 21
     python -m experiments.ml1m_sweep run --raw ... --runs my_runs.json          # runs of your own
     python -m experiments.ml1m_sweep merge /tmp/sweep/summary.json docs/results/ml1m.json
 
@@ -13,7 +14,10 @@ Datasets (``data`` of a run), converted with the HSTU protocol into ``<out>/data
 - ``sequences``: ``sequences.tsv``, all 6,040 users, event positions as timestamps;
 - ``ratings``: ``ratings-users-0001-2999.dat.gz`` (users 1-2999, real timestamps) with
   ``ties="sequence"``: events that share a timestamp follow ``sequences.tsv``, so order and
-  leave-one-out targets are those of ``sequences.tsv`` and only the timestamps differ.
+  leave-one-out targets are those of ``sequences.tsv`` and only the timestamps differ;
+- ``sequences-one-shard``: ``sequences.tsv`` in one shard of one row group, so that every epoch is one
+  permutation of all users (the reference's sampler). ``sequences`` has two shards (4,096 + 1,944 users);
+  an epoch shuffles the two and the users inside each, so every batch but one holds users of one shard.
 
 Plans (``--plan``, repeatable; each run once per ``--seeds`` seed):
 
@@ -25,6 +29,12 @@ Plans (``--plan``, repeatable; each run once per ``--seeds`` seed):
   ``negative_pool=used``. Their baseline is ``calibration``'s ``ml1m_hstu`` at the same seeds (add
   ``--plan calibration`` to run it in the same sweep). Test at the best valid epoch needs no run of
   its own: every run reports it.
+- ``reference``: ``ml1m_hstu`` with the reference HSTU's behaviour one difference at a time
+  (``docs/ml1m_reference_diff.md``): the default and each of :data:`REFERENCE_SWITCHES` on ``sequences``,
+  the default on ``sequences-one-shard``, and every difference at once (:data:`ALL_REFERENCE` on
+  ``sequences-one-shard``): 7 groups, 21 runs at 3 seeds;
+- ``reference-large``: ``ml1m_hstu_large``: the default and ``rel_bias=shared`` (which only matters with
+  several heads) on ``sequences``, :data:`ALL_REFERENCE` on ``sequences-one-shard``: 9 runs at 3 seeds.
 
 ``--runs FILE`` adds runs from a JSON list of ``{"flavor", "seed", "data", "overrides": [...],
 "env": {...}}`` (``data``, ``overrides`` and ``env`` optional).
@@ -64,7 +74,10 @@ from foundation.data.schema import SCHEMA_FILE
 
 SEQUENCES = "sequences.tsv"
 RATINGS = "ratings-users-0001-2999.dat.gz"
-DATASETS = {"sequences": SEQUENCES, "ratings": f"{RATINGS} (ties=sequence)"}
+ONE_SHARD = "sequences-one-shard"
+DATASETS = {"sequences": SEQUENCES, "ratings": f"{RATINGS} (ties=sequence)", ONE_SHARD: f"{SEQUENCES} (one shard)"}
+# Users in the one shard of ONE_SHARD: also the converter's Parquet row group (write_table's 8,192 rows).
+ONE_SHARD_ROWS = 8192
 # The slowest flavors start first so that the sweep ends with the short runs filling the gaps.
 FLAVOR_COST = {"ml1m_hstu_large": 3, "sasrec": 1, "ml1m_hstu": 1}
 DEFAULT_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GEM_KERNELS_AUTOTUNE": "0"}
@@ -106,6 +119,17 @@ class RunSpec:
         )
 
 
+# The reference HSTU's behaviour where ours differs, one switch each (docs/ml1m_reference_diff.md).
+REFERENCE_SWITCHES = ("block_norm=plain", "block_init=reference", "uvqk_bias=false", "embedding_init=reference")
+# Every difference a switch reaches at once: those four, bias tables shared by the heads (a no-op with one
+# head), the reference's normaliser 1/211 and its exact sigmoid; its runs read ONE_SHARD (the reference's
+# shuffle of all users).
+ALL_REFERENCE = (
+    (*REFERENCE_SWITCHES, "rel_bias=shared", "attention_norm=211"),
+    {"GEM_KERNELS_FAST_SIGMOID": "0"},
+)
+
+
 def _variants(flavor: str, data: str, variants: list[tuple[tuple[str, ...], dict]], seeds: list[int]) -> list[RunSpec]:
     return [
         RunSpec(flavor, seed, data, overrides, tuple(sorted(env.items())))
@@ -129,10 +153,19 @@ def plan_runs(plan: str, seeds: list[int]) -> list[RunSpec]:
             (("negative_pool=used",), {}),
         ]
         return _variants("ml1m_hstu", "sequences", switches, seeds)
+    if plan == "reference":
+        switches = [((), {}), *(((switch,), {}) for switch in REFERENCE_SWITCHES)]
+        return _variants("ml1m_hstu", "sequences", switches, seeds) + _variants(
+            "ml1m_hstu", ONE_SHARD, [((), {}), ALL_REFERENCE], seeds
+        )
+    if plan == "reference-large":
+        return _variants("ml1m_hstu_large", "sequences", [((), {}), (("rel_bias=shared",), {})], seeds) + _variants(
+            "ml1m_hstu_large", ONE_SHARD, [ALL_REFERENCE], seeds
+        )
     raise ValueError(f"unknown plan {plan!r}; choose one of {PLANS}")
 
 
-PLANS = ("calibration", "timebias", "timebias-large", "suspects")
+PLANS = ("calibration", "timebias", "timebias-large", "suspects", "reference", "reference-large")
 
 
 def load_runs(path: Path) -> list[RunSpec]:
@@ -179,18 +212,24 @@ def first_users(raw: Path, out: Path, users: int) -> Path:
 def prepare_dataset(name: str, raw: Path, out: Path) -> Path:
     """``<out>/datasets/<name>``, converted once from the raw files (module docstring)."""
     target = out / "datasets" / name
-    source = raw / (SEQUENCES if name == "sequences" else RATINGS)
+    source = raw / (RATINGS if name == "ratings" else SEQUENCES)
     if (target / SCHEMA_FILE).is_file():
         converted_from = json.loads((target / STATS_FILE).read_text())["source"]
         if converted_from != str(source):
             raise ValueError(f"{target} was converted from {converted_from}, not {source}: use another --out")
         return target
-    if name == "sequences":
-        convert("seq-tsv", raw / SEQUENCES, target, protocol="hstu")
-    else:
+    if name == "ratings":
         convert(
             "movielens-dat", raw / RATINGS, target, protocol="hstu", ties="sequence", ties_reference=raw / SEQUENCES
         )
+    elif name == ONE_SHARD:
+        with open(source) as f:
+            users = sum(1 for line in f if line.strip())
+        if users > ONE_SHARD_ROWS:
+            raise ValueError(f"{source}: {users} users do not fit the one shard of {ONE_SHARD} ({ONE_SHARD_ROWS} rows)")
+        convert("seq-tsv", source, target, protocol="hstu", rows_per_shard=ONE_SHARD_ROWS)
+    else:
+        convert("seq-tsv", source, target, protocol="hstu")
     return target
 
 
@@ -342,15 +381,15 @@ def group_rows(run_rows: list[dict], command: str, date: str) -> list[dict]:
 
 
 def format_table(summary: dict) -> str:
-    """The group rows as a fixed-width table, then every run that did not end well."""
-    header = f"{'flavor':<16} {'data':<24} {'variant':<30} {'n':>2} {'HR@10 ± std':>15} {'NDCG@10':>8} {'HR@10 best-valid':>16}"
+    """The group rows as a fixed-width table (the variant last, whole), then every run that did not end well."""
+    header = f"{'flavor':<16} {'data':<26} {'n':>2} {'HR@10 ± std':>15} {'NDCG@10':>8} {'HR@10 best-valid':>16}  variant"
     lines = [header]
     for g in summary["rows"]:
         best = g.get("best_valid", {}).get("hr@10_mean")
         lines.append(
-            f"{g['flavor']:<16} {g['data'][:24]:<24} {g['variant'][:30]:<30} {len(g['seeds']):>2} "
+            f"{g['flavor']:<16} {g['data'][:26]:<26} {len(g['seeds']):>2} "
             f"{g['hr@10_mean']:>8.4f}±{g['hr@10_std']:.4f} {g['ndcg@10_mean']:>8.4f} "
-            f"{'' if best is None else format(best, '.4f'):>16}"
+            f"{'' if best is None else format(best, '.4f'):>16}  {g['variant']}"
         )
     bad = [r for r in summary["runs"] if r["status"] != "ok"]
     for r in bad:

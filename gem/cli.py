@@ -272,7 +272,9 @@ def cmd_package(args: argparse.Namespace) -> None:
 
     if not Path(args.ckpt).is_file():
         raise CLIError(f"checkpoint not found: {args.ckpt}")
-    cfg = ServingConfig(budget=LatencyBudget(args.max_candidates, args.p99_ms), max_store_age_s=args.max_store_age_s,
+    given = {"max_candidates": args.max_candidates, "p99_ms": args.p99_ms}
+    budget = LatencyBudget(**{key: value for key, value in given.items() if value is not None})
+    cfg = ServingConfig(budget=budget, max_store_age_s=args.max_store_age_s,
                         follow_latest=args.follow_latest)
     try:
         result = register_value_model(
@@ -291,7 +293,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     from value_models.serving import BudgetError
 
     try:
-        report = run_quickstart(args.recipe, args.out)
+        report = run_quickstart(args.recipe, args.out, p99_ms=args.p99_ms)
     except (BudgetError, StoreError, PipelineError) as exc:
         raise CLIError(str(exc)) from exc
     _write_json(args.json, report)
@@ -441,8 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--store", required=True, help="embedding store root (its LATEST version is packaged)")
     pk.add_argument("--name", required=True, help="registered model name")
     pk.add_argument("--alias", default="champion")
-    pk.add_argument("--max-candidates", type=int, default=256)
-    pk.add_argument("--p99-ms", type=float, default=2.0, help="p99 budget on one CPU thread at --max-candidates")
+    pk.add_argument("--max-candidates", type=int, help="candidates per request (default: LatencyBudget's, 256)")
+    pk.add_argument("--p99-ms", type=float,
+                    help="p99 budget on one CPU thread at --max-candidates (default: LatencyBudget's, 2.0 ms)")
     pk.add_argument("--max-store-age-s", type=float, help="flag responses from an older store version as stale")
     pk.add_argument("--follow-latest", action="store_true", help="an unbundled store: follow its LATEST")
     pk.add_argument("--json")
@@ -456,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     qs.add_argument("--recipe", default="debug", help="gem/flavors.py MISSION_RECIPES: debug (make quickstart), tiny")
     qs.add_argument("--out", default="runs/quickstart", help="where its runs, store and report.json go")
+    qs.add_argument("--p99-ms", type=float, help="the packaged student's p99 budget (default: the recipe's, 20 ms)")
     qs.add_argument("--json", help="also write the report here")
     qs.set_defaults(fn=cmd_quickstart)
     return parser

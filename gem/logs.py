@@ -24,7 +24,7 @@ SILENCED = (
     r"is_fx_tracing will return true",
     r"The '(train|val)_dataloader' does not have many workers",
     r"You are using a CUDA device .* that has Tensor Cores",
-    r"Add type hints to the `predict` method",
+    r".*Add type hints to the `predict` method",  # MLflow wraps it in terminal colour codes
 )
 LIBRARY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
 QUIET_LOGGERS = {"mlflow": logging.WARNING, "alembic": logging.WARNING, "torch.fx._symbolic_trace": logging.ERROR}

@@ -14,16 +14,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from experiments.readme_times import DOWNLOAD, apply_export, gem_environment, readme_commands, wait_for_ping
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-MARKER = "<!-- readme-chain"
 SYNTH = "num_users=300 num_items=200 num_examples=3000 rows_per_shard=1000 users_per_block=100"
 # README command prefix -> what is appended to run it at tiny size.
 TINY = {
@@ -44,17 +42,9 @@ TINY = {
     "curl -s -X POST": "",
     "gem data convert": "",
     "gem train --flavor ml1m_hstu": "train.max_epochs=1",
-    "gem quickstart": "--recipe tiny",
+    # The chain's checks are not latency checks: a loaded CI machine stretches p99 past any budget.
+    "gem quickstart": "--recipe tiny --p99-ms 1000",
 }
-DOWNLOAD = "curl -sLO https://files.grouplens.org"
-
-
-def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    block = re.search(re.escape(MARKER) + r".*?```bash\n(.*?)```", text, re.S)
-    assert block, f"README.md has no ```bash block after {MARKER!r}"
-    lines = [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
 
 
 def write_ratings(path: Path) -> None:
@@ -64,41 +54,15 @@ def write_ratings(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def environment(work: Path) -> dict[str, str]:
-    """``gem`` as a console script on the PATH (the venv's tools behind it), tracking to ``work/mlflow.db``."""
-    shims = work / ".bin"
-    shims.mkdir()
-    gem = shims / "gem"
-    gem.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m gem.cli "$@"\n')
-    gem.chmod(0o755)
-    return {
-        **os.environ,
-        "PATH": f"{shims}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db",
-    }
-
-
-def wait_for_server(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited: {proc.stdout.read()}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError("mlflow models serve did not come up")
-
-
 def test_every_readme_command_runs_in_order(tmp_path):
     commands = readme_commands()
-    env = environment(tmp_path)
+    env = gem_environment(tmp_path)
     server = None
     outputs: dict[str, str] = {}
     try:
         for command in commands:
+            if apply_export(command, env):
+                continue
             if command.startswith(DOWNLOAD):
                 write_ratings(tmp_path / "ml-1m" / "ratings.dat")
                 continue
@@ -108,7 +72,8 @@ def test_every_readme_command_runs_in_order(tmp_path):
             if command.endswith("&"):
                 server = subprocess.Popen(full, shell=True, cwd=tmp_path, env=env, text=True, start_new_session=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                wait_for_server(int(re.search(r"-p (\d+)", command).group(1)), server)
+                port = int(re.search(r"-p (\d+)", command).group(1))
+                assert wait_for_ping(port, server, timeout=120), f"mlflow models serve did not come up: {command}"
                 continue
             done = subprocess.run(full, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
             assert done.returncode == 0, f"{full}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

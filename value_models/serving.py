@@ -41,6 +41,7 @@ from one whole version, which it names.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -695,6 +696,7 @@ def check_budget(scorer: Scorer, *, iters: int = 300, warmup: int = 50) -> dict:
         raise BudgetError(
             f"model {scorer.model_name!r} is over its latency budget: p99 {stats['p99_ms']:.3f} ms for "
             f"{budget.max_candidates} candidates on one CPU thread, budget {budget.p99_ms} ms "
-            f"(form {scorer.cfg.form!r}); refusing to register it"
+            f"(form {scorer.cfg.form!r}; CPU-time p99 {stats['cpu_p99_ms']:.3f} ms, load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); refusing to register it"
         )
     return {**stats, "budget": asdict(budget), "form": scorer.cfg.form}

@@ -128,7 +128,10 @@ class StudentRanker(nn.Module):
         user, item = [], []
         for f in self.schema.sparse:
             jt = batch.sparse[f.name]
-            pooled = self.tables[f"t_{f.name}"](jt.values(), jt.offsets()[:-1])
+            # Bag starts from the lengths in plain torch: torchrec's offsets() calls an fbgemm op that the
+            # CPU fbgemm build lacks for CUDA tensors.
+            lengths = jt.lengths().to(jt.values().dtype)
+            pooled = self.tables[f"t_{f.name}"](jt.values(), torch.cumsum(lengths, 0) - lengths)
             (user if f.side == "user" else item).append(pooled)
         item.append(self.tables[ITEM_TABLE](batch.candidate.unsqueeze(1)))
         if self.cfg.history_len > 0:

@@ -33,6 +33,7 @@ ITEM_FEATURE = "item_id"
 ITEM_TABLE = "t_item"
 # Ages use HSTU's log time bucketing (ln|dt| / 0.301), the scale of the attention's time bias.
 AGE_BUCKET_DIVISOR = 0.301
+ITEM_INIT_STD = 0.02
 
 
 def log_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
@@ -42,18 +43,22 @@ def log_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
 
 
 class ItemEmbedding(nn.Module):
-    """Item id -> ``[item_dim]`` through a torchrec ``EmbeddingCollection`` keyed ``item_id``."""
+    """Item id -> ``[item_dim]`` through a torchrec ``EmbeddingCollection`` keyed ``item_id``.
 
-    def __init__(self, num_items: int, item_dim: int) -> None:
+    Rows start N(0, 0.02) as in HSTU; ``truncated`` cuts the draw at 2 std (the reference's truncated
+    normal), otherwise at torch's default bounds of +-2, which a std of 0.02 never reaches.
+    """
+
+    def __init__(self, num_items: int, item_dim: int, *, truncated: bool = False) -> None:
         super().__init__()
         self.num_items = num_items
-        # HSTU initialises item embeddings with a truncated normal of std 0.02.
+        bound = 2 * ITEM_INIT_STD if truncated else 2.0
         table = EmbeddingConfig(
             name=ITEM_TABLE,
             embedding_dim=item_dim,
             num_embeddings=num_items,
             feature_names=[ITEM_FEATURE],
-            init_fn=partial(nn.init.trunc_normal_, std=0.02),
+            init_fn=partial(nn.init.trunc_normal_, std=ITEM_INIT_STD, a=-bound, b=bound),
         )
         self.collection = EmbeddingCollection(tables=[table])
 
@@ -136,6 +141,9 @@ class HistoryEmbedding(nn.Module):
         for table in (self.action, self.domain, self.age, self.position):
             if table is not None:
                 nn.init.trunc_normal_(table.weight, std=math.sqrt(1.0 / d))
+        # The reference HSTU's model-wide Xavier-normal pass re-draws its position table after that init.
+        if self.position is not None and cfg.embedding_init == "reference":
+            nn.init.xavier_normal_(self.position.weight)
         self.dropout = nn.Dropout(cfg.dropout)
 
     @staticmethod

@@ -13,6 +13,11 @@ other users share its batch (it is exported per user), as in HSTU, which pads to
 The time bias buckets ``t_i - ts_j`` where ``t_i`` is the query event's time, or with
 ``query_timestamps`` the time the query is asked for (the reference HSTU's ``ts[i+1] - ts[j]``: the
 time of the event the position predicts).
+
+Switches for the A/Bs against the reference HSTU (``docs/ml1m_reference_diff.md``): ``norm`` (learned-affine
+LayerNorms or the reference's plain ones), ``init`` (``torch``: ``nn.Linear``'s defaults and zero bias
+tables, or the reference's, :func:`apply_reference_init`), ``uvqk_bias`` and ``rel_bias`` (bias tables per
+head or shared by the heads, as the reference's are).
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foundation.model.norms import apply_layer_norm
+from foundation.model.norms import apply_layer_norm, build_layer_norm
 from foundation.model.profiling import ATTENTION, profile_region
+from foundation.model.teacher_config import BLOCK_INITS, REL_BIASES
 from kernels import jagged_attention
+
+# The reference HSTU draws its uvqk matrix and its relative-bias tables from N(0, 0.02).
+REFERENCE_INIT_STD = 0.02
 
 
 class HSTUBlock(nn.Module):
@@ -40,19 +49,31 @@ class HSTUBlock(nn.Module):
         pos_buckets: int,
         time_buckets: int,
         attention_norm: int,
+        norm: str = "affine",
+        init: str = "torch",
+        uvqk_bias: bool = True,
+        rel_bias: str = "head",
     ) -> None:
         super().__init__()
         self.num_heads, self.attn_dim, self.value_dim = num_heads, attn_dim, value_dim
         self.alpha = alpha
         self.attention_norm = attention_norm
-        self.input_norm = nn.LayerNorm(d_model)
-        self.uvqk = nn.Linear(d_model, num_heads * (2 * value_dim + 2 * attn_dim))
-        self.attn_norm = nn.LayerNorm(num_heads * value_dim)
+        self.input_norm = build_layer_norm(d_model, norm)
+        self.uvqk = nn.Linear(d_model, num_heads * (2 * value_dim + 2 * attn_dim), bias=uvqk_bias)
+        self.attn_norm = build_layer_norm(num_heads * value_dim, norm)
         self.output = nn.Linear(num_heads * value_dim, d_model)
         self.dropout = nn.Dropout(dropout)
-        # Zero-initialised biases start the block as plain pointwise attention.
-        self.pos_bias = nn.Parameter(torch.zeros(num_heads, pos_buckets))
-        self.time_bias = nn.Parameter(torch.zeros(num_heads, time_buckets)) if time_buckets else None
+        if rel_bias not in REL_BIASES:
+            raise ValueError(f"teacher.rel_bias must be one of {REL_BIASES}, got {rel_bias!r}")
+        # A [1, buckets] table is one bias for every head (the kernels broadcast it).
+        rows = num_heads if rel_bias == "head" else 1
+        # Zero tables (init="torch") start the block as plain pointwise attention.
+        self.pos_bias = nn.Parameter(torch.zeros(rows, pos_buckets))
+        self.time_bias = nn.Parameter(torch.zeros(rows, time_buckets)) if time_buckets else None
+        if init == "reference":
+            apply_reference_init(self)
+        elif init not in BLOCK_INITS:
+            raise ValueError(f"teacher.block_init must be one of {BLOCK_INITS}, got {init!r}")
 
     def split_uvqk(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``."""
@@ -107,3 +128,17 @@ class HSTUBlock(nn.Module):
             attn = attn * (max_len / row_length.to(attn.dtype))[:, None, None]
         gated = apply_layer_norm(self.attn_norm, attn.reshape(x.shape[0], -1), scale=scale, gate=u)
         return x + self.output(self.dropout(gated))
+
+
+@torch.no_grad()
+def apply_reference_init(block: HSTUBlock) -> None:
+    """The reference HSTU's initialisation of a block: ``uvqk`` weight N(0, 0.02) (its bias, when it has one,
+    zero: the reference's projection has none), output weight Xavier-uniform (its bias keeps ``nn.Linear``'s),
+    relative position and time bias tables N(0, 0.02)."""
+    nn.init.normal_(block.uvqk.weight, std=REFERENCE_INIT_STD)
+    if block.uvqk.bias is not None:
+        nn.init.zeros_(block.uvqk.bias)
+    nn.init.xavier_uniform_(block.output.weight)
+    for table in (block.pos_bias, block.time_bias):
+        if table is not None:
+            nn.init.normal_(table, std=REFERENCE_INIT_STD)

@@ -3,6 +3,9 @@
 Under autocast, PyTorch runs LayerNorm in float32 and the next ``nn.Linear`` casts its float32
 output to bf16; handing the GEMM the autocast dtype directly gives the same values in one pass
 (the ``nn.LayerNorm`` modules stay as the parameters' holders, so checkpoints are unchanged).
+
+Two kinds of norm (``TeacherConfig.block_norm``): ``affine``, an ``nn.LayerNorm`` with a learned gain and
+bias and eps 1e-5, and ``plain``, :class:`PlainLayerNorm`, the reference HSTU's: no parameters, eps 1e-6.
 """
 
 from __future__ import annotations
@@ -10,7 +13,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foundation.model.teacher_config import BLOCK_NORMS
 from kernels import layer_norm
+
+PLAIN_EPS = 1e-6
+
+
+class PlainLayerNorm(nn.Module):
+    """LayerNorm over the last axis with no learned gain or bias: ``(x - mean) / sqrt(var + eps)``.
+
+    ``weight`` (ones) and ``bias`` (zeros) are constant, non-persistent buffers, so that the fused kernel
+    takes this norm as it takes an ``nn.LayerNorm`` while the model has no parameters and no checkpoint
+    entries for it.
+    """
+
+    def __init__(self, dim: int, eps: float = PLAIN_EPS) -> None:
+        super().__init__()
+        self.normalized_shape = (dim,)
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(dim), persistent=False)
+        self.register_buffer("bias", torch.zeros(dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., dim]`` -> the same shape."""
+        return apply_layer_norm(self, x)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+def build_layer_norm(dim: int, kind: str) -> nn.Module:
+    """A LayerNorm over ``dim`` features of ``kind`` (:data:`BLOCK_NORMS`)."""
+    if kind == "affine":
+        return nn.LayerNorm(dim)
+    if kind == "plain":
+        return PlainLayerNorm(dim)
+    raise ValueError(f"teacher.block_norm must be one of {BLOCK_NORMS}, got {kind!r}")
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -20,7 +58,7 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 def apply_layer_norm(
-    norm: nn.LayerNorm, x: torch.Tensor, *, scale: float = 1.0, gate: torch.Tensor | None = None
+    norm: nn.LayerNorm | PlainLayerNorm, x: torch.Tensor, *, scale: float = 1.0, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``norm(scale * x) * gate`` (``x``, ``gate`` ``[..., N]``) in the dtype the next GEMM computes in."""
     return layer_norm(x, norm.weight, norm.bias, norm.eps, scale=scale, gate=gate, out_dtype=autocast_dtype(x))

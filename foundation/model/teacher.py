@@ -120,7 +120,7 @@ class GEMTeacher(nn.Module):
         self.next_item = schema.task == "next_item"
         self.register_buffer("negative_items", check_negative_items(cfg, schema, negative_items), persistent=False)
         d = cfg.d_model
-        self.items = ItemEmbedding(schema.num_items, cfg.item_dim)
+        self.items = ItemEmbedding(schema.num_items, cfg.item_dim, truncated=cfg.embedding_init == "reference")
         self.history_embedding = HistoryEmbedding(cfg, schema)
         # Next-item models read user features only through the interleaving (never item features).
         self.uses_user_tokens = not self.next_item or cfg.interleave
@@ -506,6 +506,10 @@ def build_sequence_block(cfg: TeacherConfig, num_suffix: int) -> nn.Module:
         pos_buckets=cfg.pos_buckets,
         time_buckets=cfg.time_buckets,
         attention_norm=cfg.attention_norm_length(num_suffix),
+        norm=cfg.block_norm,
+        init=cfg.block_init,
+        uvqk_bias=cfg.uvqk_bias,
+        rel_bias=cfg.rel_bias,
     )
 
 

@@ -17,6 +17,10 @@ SEQUENCE_BLOCKS = ("hstu", "sasrec")
 QUERY_TIMES = ("auto", "target", "event")
 ATTENTION_NORMS = ("max_len", "row")
 NEGATIVE_POOLS = ("all", "used")
+BLOCK_NORMS = ("affine", "plain")
+BLOCK_INITS = ("torch", "reference")
+REL_BIASES = ("head", "shared")
+EMBEDDING_INITS = ("scaled", "reference")
 
 
 @dataclass
@@ -43,6 +47,17 @@ class TeacherConfig:
         attention_norm: HSTU's ``N`` in ``1/N``: ``max_len`` (the fixed ``max_len + CLS/target
             tokens``), ``row`` (each row's own length), or a number (e.g. ``211``, the reference's
             padded length at ``max_len = 200``: 200 history + 10 + 1 output slots).
+        block_norm: the HSTU block's two LayerNorms (input, attention output): ``affine`` (a learned
+            gain and bias, eps 1e-5) or ``plain`` (no parameters, eps 1e-6: the reference HSTU's).
+        block_init: the HSTU block's initialisation: ``torch`` (``nn.Linear``'s defaults for ``uvqk`` and
+            the output projection, zero relative-bias tables) or ``reference`` (the reference HSTU's:
+            ``uvqk`` weight N(0, 0.02) and bias 0, output weight Xavier-uniform, bias tables N(0, 0.02)).
+        uvqk_bias: give the ``uvqk`` projection a bias (the reference's is a bare matrix: ``false``).
+        rel_bias: relative position and time bias tables per ``head`` or ``shared`` by the heads of a
+            layer (the reference's).
+        embedding_init: ``scaled`` (item table N(0, 0.02), in effect untruncated; position table
+            N(0, 1/d)) or ``reference`` (item table N(0, 0.02) truncated at 2 std; position
+            table Xavier-normal, std ``sqrt(2 / (max_len + d))``).
         ffn_hidden: hidden width of the SASRec block's FFN (0: ``d_model``).
         dropout: on input embeddings, inside blocks, and in MLPs.
         abs_pos_emb: add a learned absolute position embedding to history tokens (HSTU's ML-1M
@@ -108,6 +123,11 @@ class TeacherConfig:
     time_buckets: int = 64
     query_time: str = "auto"
     attention_norm: str = "max_len"
+    block_norm: str = "affine"
+    block_init: str = "torch"
+    uvqk_bias: bool = True
+    rel_bias: str = "head"
+    embedding_init: str = "scaled"
     ffn_hidden: int = 0
     dropout: float = 0.1
     abs_pos_emb: bool = False
@@ -187,6 +207,10 @@ class TeacherConfig:
             ("sequence_block", SEQUENCE_BLOCKS),
             ("query_time", QUERY_TIMES),
             ("negative_pool", NEGATIVE_POOLS),
+            ("block_norm", BLOCK_NORMS),
+            ("block_init", BLOCK_INITS),
+            ("rel_bias", REL_BIASES),
+            ("embedding_init", EMBEDDING_INITS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"teacher.{name} must be one of {allowed}, got {getattr(self, name)!r}")
