@@ -11,6 +11,7 @@ from foundation.model.padding import StaticShapes, pad_batch
 from foundation.model.teacher import build_teacher
 from gem.loop import GraphConfig, StaticStep, train_step
 from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+from tests.test_ml1m_reference import ALL_SWITCHES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPES = StaticShapes(tokens=48, rows=(8, 16), max_len=12)
@@ -23,19 +24,20 @@ def padded_batches(steps: int) -> list:
     return [pad_batch(make_batch(CTR_SCHEMA, LENGTHS[i % 3], seed=i), SHAPES) for i in range(steps)]
 
 
-def build(seed: int = 0):
+def build(seed: int = 0, **changes):
     torch.manual_seed(seed)
-    model = build_teacher(tiny_config(generative=True, in_batch_negatives=True, dropout=0.1), CTR_SCHEMA)
+    model = build_teacher(tiny_config(generative=True, in_batch_negatives=True, dropout=0.1, **changes), CTR_SCHEMA)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def test_static_step_trains_as_the_plain_step():
+@pytest.mark.parametrize("changes", [{}, ALL_SWITCHES], ids=["default", "reference_block"])
+def test_static_step_trains_as_the_plain_step(changes):
     batches = padded_batches(5)
-    model, optimizer = build()
+    model, optimizer = build(**changes)
     torch.manual_seed(9)  # negatives and dropout, drawn in the same order by both
     plain = [train_step(model, b, optimizer)["loss"].detach() for b in batches]
     plain_state = {k: v.clone() for k, v in model.state_dict().items()}
-    model, optimizer = build()
+    model, optimizer = build(**changes)
     step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig())
     torch.manual_seed(9)
     static = [step(b) for b in batches]

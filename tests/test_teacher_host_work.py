@@ -9,15 +9,18 @@ import torch
 from foundation.model.precision import CastOnce
 from foundation.model.teacher import build_teacher
 from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+from tests.test_ml1m_reference import ALL_SWITCHES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LENGTHS = [0, 1, 5, 9, 3, 2]
 
 
-def train_steps(cast_once: bool, steps: int = 3) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], CastOnce]:
+def train_steps(
+    cast_once: bool, steps: int = 3, **changes
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], CastOnce]:
     """``steps`` AdamW steps of a tiny teacher under CPU bf16 autocast, with or without :class:`CastOnce`."""
     torch.manual_seed(0)
-    model = build_teacher(tiny_config(generative=True, dropout=0.0), CTR_SCHEMA)
+    model = build_teacher(tiny_config(generative=True, dropout=0.0, **changes), CTR_SCHEMA)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     cast = CastOnce(model)
     losses = []
@@ -49,6 +52,15 @@ def test_parameters_cast_once_per_step_train_exactly_as_autocast():
     assert not names & {"blocks.0.input_norm.weight", "blocks.0.pos_bias", "blocks.0.time_bias", "cls_tokens",
                         "experts.second_bias", "items.collection.embeddings.t_item.weight"}
     assert all(c.dtype == torch.bfloat16 for c in cast.copies)
+
+
+def test_cast_once_trains_exactly_as_autocast_with_the_reference_block():
+    """The reference block's norms have no parameters, its uvqk no bias, its bias tables one row per layer."""
+    plain_losses, plain_state, _ = train_steps(cast_once=False, **ALL_SWITCHES)
+    losses, state, cast = train_steps(cast_once=True, **ALL_SWITCHES)
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses, strict=True))
+    assert all(torch.equal(plain_state[k], state[k]) for k in plain_state), "parameters moved apart"
+    assert "blocks.0.uvqk.weight" in cast.names and "blocks.0.pos_bias" not in cast.names
 
 
 def test_nothing_is_cast_once_without_autocast():

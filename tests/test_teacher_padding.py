@@ -12,6 +12,7 @@ from foundation.data.batch import JaggedBatch
 from foundation.model.padding import PaddedBatch, StaticShapes, pad_batch, static_shapes
 from foundation.model.teacher import build_teacher
 from tests.teacher_batches import CTR_SCHEMA, NEXT_ITEM_SCHEMA, make_batch, tiny_config
+from tests.test_ml1m_reference import ALL_SWITCHES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LENGTHS = [0, 1, 5, 9, 3, 2]  # 20 tokens, 6 rows, longest 9
@@ -74,6 +75,8 @@ CASES = {
     "ctr_in_batch_negatives": (CTR_SCHEMA, {"generative": True, "in_batch_negatives": True}),
     "ctr_no_interleave": (CTR_SCHEMA, {"generative": True, "interleave": False, "interaction": "dcnv2"}),
     "next_item": (NEXT_ITEM_SCHEMA, {"in_batch_negatives": True}),
+    # Issue 16's reference-HSTU switches, all on: plain norms, no uvqk bias, bias tables shared by the heads.
+    "next_item_reference_block": (NEXT_ITEM_SCHEMA, {"in_batch_negatives": True, **ALL_SWITCHES}),
 }
 
 
