@@ -34,6 +34,24 @@ fused glue kernels against ``--glue-backend pytorch``. ``--record docs/results/t
 the headline figures (MFU, tokens/s, median step, first step after the build, the command, date and
 device) to that file as one row.
 
+``--bucketed ROWS`` pads every batch (in the DataLoader's workers) to ``--token-budget`` tokens and the
+smallest of the comma-separated row counts that holds it (:mod:`foundation.model.padding`: the loss and
+gradients do not change) and trains those through :class:`gem.loop.StaticStep`, one set of static buffers
+per bucket; ``--cuda-graphs`` then captures each bucket's dense forward and backward into a CUDA graph
+after ``--graph-warmup`` eager steps and replays it (a failed capture prints one line and runs eagerly).
+Throughput counts the real rows and tokens only. ``--no-cast-once`` restores autocast's cast of every
+parameter at every use (:class:`foundation.model.precision.CastOnce` casts once per step, same values).
+
+``--count-ops N`` (after the timed steps; ``--steps 0`` for none) counts the ATen operators and Triton
+launches of ``N`` eager steps by phase, kind and source line, then times the host of ``N`` more
+(:mod:`experiments.op_count`); with ``--cpu-widths`` the flavor keeps its structure at CPU-sized widths,
+a proxy for the GPU step's host work. Trailing ``field=value`` arguments override the teacher config (e.g.
+``dropout=0.0``). CPU proxy of the ``large`` step (the Triton kernels counted, not interpreted)::
+
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m experiments.bench_teacher --flavor large --cpu-widths \
+        --steps 0 --count-ops 3 --rows 256 --examples 3000 --items 2000 --workers 0 --token-budget 512 \
+        --max-history 64 --data /tmp/world-small --backend triton --glue-backend triton
+
 ``--backend pytorch`` runs every attention of the model on the padded PyTorch reference (through
 the kernel switch ``backend``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
 short ``--max-history`` and a small budget. On CUDA out-of-memory the run retries at half the
@@ -45,6 +63,7 @@ the steps it took before (its first reported loss is not a fresh model's). Resul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -57,6 +76,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 _T0 = time.perf_counter()
@@ -76,14 +96,20 @@ def process_age_s() -> float:
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch.utils.data import IterableDataset  # noqa: E402
 
 from experiments.kernel_groups import kernel_breakdown  # noqa: E402
+from experiments.op_count import count_steps, format_counts  # noqa: E402
+from foundation.config import apply_overrides  # noqa: E402
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  # noqa: E402
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
 from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
+from foundation.model.padding import PaddedBatch, StaticShapes, pad_batch, static_shapes  # noqa: E402
+from foundation.model.precision import CastOnce  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
+from gem.loop import GraphConfig, StaticStep  # noqa: E402
 from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
 
 PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
@@ -97,6 +123,7 @@ def prepare_world(args: argparse.Namespace, directory: Path) -> dict:
         "large",
         num_examples=args.examples,
         num_users=args.users or max(args.examples // 10, 64),
+        **({"num_items": args.items} if args.items else {}),
         max_history=args.world_max_history,
         seed=args.seed,
     )
@@ -113,30 +140,35 @@ def prepare_world(args: argparse.Namespace, directory: Path) -> dict:
 def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict) -> dict:
     """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses."""
     use_cuda = device.type == "cuda"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     stream = EventStream(data_dir, "train", data_cfg, training=True)
-    times, flops, tokens, rows, max_lens, losses = [], [], [], [], [], []
+    times, flops, tokens, rows, max_lens, losses, padded = [], [], [], [], [], [], []
+    train_step = make_eager_step(model, optimizer, device, args.precision, cast_once=args.cast_once)
+    shapes = static_shapes(data_cfg.token_budget, data_cfg.max_len, args.bucketed) if args.bucketed else None
+    static_step = None
+    if shapes is not None:
+        graphs = GraphConfig(cuda_graphs=args.cuda_graphs, warmup_steps=args.graph_warmup)
+        autocast_dtype = torch.bfloat16 if args.precision == "bf16" else None
+        static_step = StaticStep(model, optimizer, autocast_dtype=autocast_dtype, config=graphs, log=log_line)
 
     def step(batch) -> torch.Tensor:
-        batch = batch.to(device, non_blocking=True)
-        with autocast:
-            loss = model.loss(batch, model(batch))["loss"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        # A padded batch is copied from pinned host memory into its bucket's buffers.
+        loss = static_step(batch) if isinstance(batch, PaddedBatch) else train_step(batch)
         if use_cuda:
             torch.cuda.synchronize(device)
         return loss
 
-    batches = iter(build_dataloader(stream, data_cfg))
+    loader = build_dataloader(PaddedBatches(stream, shapes) if shapes else stream, data_cfg)
+    batches = iter(loader)
     start = last = time.perf_counter()
     for batch in batches:
         if len(times) == args.steps:
             break
-        flops.append(model.flops(batch))  # on the host copy: no device sync
-        tokens.append(batch.num_tokens)
-        rows.append(batch.batch_size)
-        max_lens.append(batch.max_len)
+        flops.append(model.flops(batch))  # on the host copy: no device sync; real rows of a padded batch
+        real = batch.real_rows if isinstance(batch, PaddedBatch) else batch.batch_size
+        tokens.append(int(batch.offsets[real]))
+        rows.append(real)
+        max_lens.append(int(batch.lengths[:real].max()) if real else 0)
+        padded.append(isinstance(batch, PaddedBatch))
         loss = step(batch)
         now = time.perf_counter()
         losses.append(float(loss.detach()))
@@ -154,12 +186,76 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
             print(f"time limit {args.time_limit} s reached after {len(times)} steps", flush=True)
             break
     trace = {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
+    if static_step is not None:
+        trace["static"] = {
+            "bucket_rows": list(shapes.rows),
+            "padded_steps": sum(padded),
+            "eager_steps": len(padded) - sum(padded),
+            "buckets_used": len(static_step.slots),
+            "graphs_captured": static_step.graphs,
+            "cuda_graphs": args.cuda_graphs and not static_step.graphs_off,
+            "padded": padded,
+        }
     extra = next(batches, None) if args.sync_check and use_cuda else None
     if extra is not None:
         trace["sync_points"] = find_sync_points(step, extra)
     if args.profile:
         trace["profile"] = profile_steps(step, batches, args.profile, use_cuda)
+    if args.count_ops:
+        counts = count_steps(
+            lambda phase, batch: train_step(batch, phase), batches, args.count_ops, interpret=args.interpret_kernels
+        )
+        print(format_counts(counts), flush=True)
+        trace["op_counts"] = counts
     return trace
+
+
+class PaddedBatches(IterableDataset):
+    """The stream's batches padded to static shapes (in the DataLoader's workers, so they are pinned as
+    usual); a batch no bucket holds passes unpadded."""
+
+    def __init__(self, stream: EventStream, shapes: StaticShapes) -> None:
+        self.stream, self.shapes = stream, shapes
+
+    def __iter__(self):
+        for batch in self.stream:
+            yield pad_batch(batch, self.shapes) or batch
+
+
+def log_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def make_eager_step(model, optimizer, device: torch.device, precision: str, *, cast_once: bool = True) -> Callable:
+    """``step(batch, phase)``: one AdamW step on a host batch under bf16 autocast (``precision="bf16"``), its
+    parts inside ``phase("forward")``, ``phase("backward")`` and ``phase("optimizer")`` (for
+    :func:`experiments.op_count.count_steps`); returns the loss on the device, without a sync. ``cast_once``:
+    the parameters autocast casts at every use are cast once per step (:class:`CastOnce`, same values)."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    once = CastOnce(model) if cast_once and precision == "bf16" else None
+
+    def step(batch, phase: Callable[[str], contextlib.AbstractContextManager] = no_phase) -> torch.Tensor:
+        with phase("forward"):
+            batch = batch.to(device, non_blocking=True)
+            with autocast:
+                if once is None:
+                    loss = model.loss(batch, model(batch))["loss"]
+                else:
+                    loss = once.run(lambda forward: model.loss(batch, forward(batch)))["loss"]
+        with phase("backward"):
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if once is not None:
+                once.collect_grads()
+        with phase("optimizer"):
+            optimizer.step()
+        return loss
+
+    return step
+
+
+def no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def find_sync_points(step, batch) -> list[dict]:
@@ -301,14 +397,14 @@ def run(args: argparse.Namespace) -> dict:
         world = prepare_world(args, data_dir)
         print(f"world: {json.dumps(world)}", flush=True)
         schema = EventSchema.load(data_dir)
-        cfg = teacher_flavor(args.flavor)
+        cfg = teacher_config(args)
         max_history = args.max_history or cfg.max_len
         if max_history > cfg.max_len:
             raise ValueError(f"--max-history {max_history} exceeds the flavor's max_len {cfg.max_len}")
         marks: dict = {"build_start": time.perf_counter()}
         model = build_teacher(cfg, schema).to(device)
-        fused = device.type == "cuda"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=fused)
+        # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         marks["build_s"] = time.perf_counter() - marks["build_start"]
@@ -370,6 +466,24 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+# Widths small enough for a CPU step at the `large` flavor's structure (layers, heads, tokens per row and
+# block, experts, negatives unchanged): what --count-ops measures the host work of.
+CPU_WIDTHS = {
+    "d_model": 64, "item_dim": 32, "attn_dim": 16, "value_dim": 16, "pffn_hidden": 64, "pffn_summary_dim": 8,
+    "wukong_rank": 4, "wukong_hidden": 64, "dcn_rank": 8, "expert_hidden": 64, "expert_dim": 32, "repr_dim": 32,
+}
+
+
+def teacher_config(args: argparse.Namespace):
+    """The flavor's config, at ``CPU_WIDTHS`` with ``--cpu-widths``, then with the ``field=value`` overrides."""
+    cfg = teacher_flavor(args.flavor)
+    if args.cpu_widths:
+        cfg = cfg.replace(**CPU_WIDTHS)
+    apply_overrides(cfg, args.overrides)
+    cfg.check()
+    return cfg
+
+
 def _triton_version() -> str | None:
     try:
         import triton
@@ -396,10 +510,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the fused LayerNorm and row modulation (kernel switch glue_backend): pytorch = the unfused references",
     )
     parser.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    parser.add_argument(
+        "--cast-once", action=argparse.BooleanOptionalAction, default=True,
+        help="bf16 copies of the parameters autocast casts at every use, made once per step (same values)",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--data", default=None, help="world dir: reused if it holds a dataset, else generated")
     parser.add_argument("--examples", type=int, default=80_000, help="impressions of a generated world")
     parser.add_argument("--users", type=int, default=0, help="users of a generated world (0: examples / 10)")
+    parser.add_argument("--items", type=int, default=0, help="items of a generated world (0: the preset's 500,000)")
     parser.add_argument("--world-max-history", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--oom-retries", type=int, default=2)
@@ -413,6 +532,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync-check", action="store_true", help="after the timed steps, list where one more step syncs with the host (CUDA)"
     )
     parser.add_argument("--compare-losses", default=None, metavar="REF.json", help="another run's --json to compare losses with")
+    parser.add_argument(
+        "--bucketed", default=None, metavar="ROWS",
+        help="pad each batch to --token-budget tokens and the smallest of these row counts (e.g. 96,128,192) that "
+        "holds it, and train those through gem.loop.StaticStep (static buffers per bucket)",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="with --bucketed: capture each bucket's dense forward and backward into a CUDA graph and replay it",
+    )
+    parser.add_argument("--graph-warmup", type=int, default=1, help="eager steps per bucket before its capture")
+    parser.add_argument(
+        "--count-ops", type=int, default=0, metavar="N",
+        help="after the timed steps, count the ATen operators and Triton launches of N steps, then time the host of N more",
+    )
+    parser.add_argument(
+        "--interpret-kernels", action="store_true",
+        help="with --count-ops on CPU, run the Triton interpreter's launches (slow) instead of only counting them",
+    )
+    parser.add_argument(
+        "--cpu-widths", action="store_true", help="the flavor's structure at CPU-sized widths (CPU_WIDTHS), e.g. for --count-ops"
+    )
+    parser.add_argument("overrides", nargs="*", help="teacher config fields, e.g. dropout=0.0 num_layers=4")
     parser.add_argument("--record", default=None, metavar="PATH", help="append the headline figures to this JSON table")
     parser.add_argument("--record-label", default=None, help="a label for the recorded row (e.g. 'after issue 15')")
     return parser
@@ -421,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.cuda_graphs and not args.bucketed:
+        raise SystemExit("--cuda-graphs replays static shapes: pass --bucketed ROWS too")
     if args.compare_losses and not Path(args.compare_losses).is_file():
         raise SystemExit(f"--compare-losses: {args.compare_losses} does not exist")
     command = command_line(argv)
@@ -437,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["kernel_groups"] = result["trace"]["profile"]["groups"]
     if "sync_points" in result["trace"]:
         summary["sync_points"] = result["trace"]["sync_points"]
+    if "static" in result["trace"]:
+        summary["static"] = {k: v for k, v in result["trace"]["static"].items() if k != "padded"}
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 

@@ -9,14 +9,17 @@ their tokens/s, TFLOP/s and MFU. Neither imports MLflow or Lightning.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from foundation.data.batch import JaggedBatch
 from foundation.model.flops import peak_flops, throughput_metrics
+from foundation.model.precision import CastOnce
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -35,6 +38,7 @@ def train_step(
     forward: Callable[[JaggedBatch], object] | None = None,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     clip: Callable[[float], object] | None = None,
+    cast_once: CastOnce | None = None,
 ) -> dict[str, torch.Tensor]:
     """One optimiser step on a device batch; returns ``model.loss``'s terms (``"loss"`` is the total).
 
@@ -42,12 +46,21 @@ def train_step(
     ``loss * loss_weight`` (a rank's share of a global mean), gradients clipped to norm ``grad_clip`` when it
     is positive (``clip(grad_clip)``, default: over ``model.parameters()``), then ``optimizer.step()``.
     ``forward`` defaults to ``model``; a trainer passes its own to feed extra inputs (teacher outputs).
+    ``cast_once`` (a :class:`~foundation.model.precision.CastOnce` of ``model``, kept across steps, with the
+    default ``forward``) casts the parameters autocast would cast at every use once per step instead.
     """
+    if cast_once is not None and forward is not None:
+        raise ValueError("train_step: cast_once runs the model's own forward; pass one or the other")
     forward = forward or model
     with autocast(batch.candidate.device, autocast_dtype):
-        losses = model.loss(batch, forward(batch))
+        if cast_once is None:
+            losses = model.loss(batch, forward(batch))
+        else:
+            losses = cast_once.run(lambda model_forward: model.loss(batch, model_forward(batch)))
     optimizer.zero_grad(set_to_none=True)
     backward(losses["loss"] * loss_weight if loss_weight != 1.0 else losses["loss"])
+    if cast_once is not None:
+        cast_once.collect_grads()
     if grad_clip > 0:
         if clip is None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -102,15 +115,18 @@ def train_epoch(
     autocast_dtype: torch.dtype | None = None,
     max_steps: int = -1,
     deadline: float | None = None,
+    cast_once: bool = False,
 ) -> dict:
     """One pass of :func:`train_step` over ``batches`` (at most ``max_steps`` when >= 0, and none begun after
     the ``time.perf_counter()`` value ``deadline``).
 
     Returns the mean loss, the step and row counts, the model FLOPs trained (``flops``, the sum of
     ``model.flops(batch)`` over the steps; 0 for a model without a counter) and :class:`Throughput`'s figures
-    over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32).
+    over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32). ``cast_once`` runs
+    :func:`train_step` with a :class:`~foundation.model.precision.CastOnce` of the model (autocast only).
     """
     device = next(model.parameters()).device
+    once = CastOnce(model, autocast_dtype) if cast_once and autocast_dtype is not None else None
     meter = Throughput(model, device, "bf16-mixed" if autocast_dtype == torch.bfloat16 else "32-true")
     total_loss, steps, rows = torch.zeros((), device=device), 0, 0
     for batch in batches:
@@ -118,7 +134,8 @@ def train_epoch(
             break
         meter.count(batch)
         losses = train_step(
-            model, batch.to(device, non_blocking=True), optimizer, grad_clip=grad_clip, autocast_dtype=autocast_dtype
+            model, batch.to(device, non_blocking=True), optimizer, grad_clip=grad_clip, autocast_dtype=autocast_dtype,
+            cast_once=once,
         )
         total_loss += losses["loss"].detach()  # summed on the device: no per-step sync
         steps += 1
@@ -126,3 +143,191 @@ def train_epoch(
     return {
         "loss": float(total_loss) / max(steps, 1), "steps": steps, "rows": rows, "flops": meter.flops, **meter.metrics()
     }
+
+
+@dataclass
+class GraphConfig:
+    """How :class:`StaticStep` runs the dense part of a step (the ``--cuda-graphs`` switch of the GPU benchmarks).
+
+    Attributes:
+        cuda_graphs: capture each bucket's dense forward and backward into a CUDA graph and replay it (CUDA
+            only); False runs the same step eagerly on the same static buffers.
+        warmup_steps: eager steps per bucket before its capture (they compile and tune the kernels, which a
+            capture cannot).
+    """
+
+    cuda_graphs: bool = False
+    warmup_steps: int = 2
+
+
+@dataclass
+class _Slot:
+    """One bucket's static buffers: the batch's tensors, the lookups (leaves: made at the first step), the
+    captured graph and its outputs."""
+
+    batch: JaggedBatch
+    lookups: object = None
+    leaves: list[torch.Tensor] | None = None
+    steps: int = 0
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple | None = None
+
+
+class StaticStep:
+    """One optimiser step on static-shape batches (:func:`foundation.model.padding.pad_batch`), the dense part
+    replayable from a CUDA graph.
+
+    The model is split as :class:`~foundation.model.teacher.GEMTeacher` is: ``model.look_up(batch)`` (the
+    torchrec tables, whose lookups may sync the host and are not captured) runs eagerly; the dense rest,
+    ``model.loss(batch, model(batch, lookups))`` and its backward into the dense parameters and the lookups,
+    runs on one set of static buffers per bucket (batch shapes): eagerly for ``warmup_steps``, then, with
+    ``config.cuda_graphs``, captured once and replayed. The lookups' gradients then flow into the tables
+    eagerly, the dense gradients are handed to ``optimizer``, which steps. If a capture fails, one line goes
+    to ``log`` and every later step runs eagerly. A call returns the loss (a device scalar). The random
+    numbers are drawn in the eager step's order (negatives in the lookups, then dropout), so without a graph
+    it trains exactly as :func:`train_step` on the same batches.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        autocast_dtype: torch.dtype | None,
+        config: GraphConfig,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.model, self.optimizer, self.autocast_dtype = model, optimizer, autocast_dtype
+        self.config, self.log = config, log
+        self.device = next(model.parameters()).device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.slots: dict[tuple, _Slot] = {}
+        self.graphs_off = not config.cuda_graphs
+        if config.cuda_graphs and self.device.type != "cuda":
+            self.graphs_off = True
+            log(f"cuda graphs off: the model is on {self.device.type}; eager steps")
+        self.pool = self.side_stream = None
+
+    @property
+    def graphs(self) -> int:
+        """Buckets replaying a captured graph."""
+        return sum(slot.graph is not None for slot in self.slots.values())
+
+    def __call__(self, batch: JaggedBatch) -> torch.Tensor:
+        slot = self.slot_for(batch)
+        _copy_tensors(slot.batch, batch)
+        slot.batch.sparse = batch.sparse.to(self.device, non_blocking=True)
+        lookups = self.model.look_up(slot.batch)
+        produced = _lookup_tensors(lookups)
+        if slot.leaves is None:
+            slot.leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in produced]
+            slot.lookups = _rebuild_lookups(lookups, slot.leaves)
+        with torch.no_grad():
+            for leaf, value in zip(slot.leaves, produced, strict=True):
+                leaf.copy_(value)
+        loss, grads = self.run_dense(slot)
+        self.optimizer.zero_grad(set_to_none=True)
+        differentiable = [t for t in produced if t.requires_grad]
+        pairs = [(t, g) for t, g in zip(differentiable, grads[len(self.params):], strict=True) if g is not None]
+        if pairs:  # into the tables, eagerly
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        for p, g in zip(self.params, grads, strict=False):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self.optimizer.step()
+        slot.steps += 1
+        return loss.clone()
+
+    def slot_for(self, batch: JaggedBatch) -> _Slot:
+        """The bucket's slot, with static copies of the batch's tensors on the device (made on first use)."""
+        key = tuple((tuple(t.shape), t.dtype) for t in _batch_tensors(batch))
+        if key not in self.slots:
+            self.slots[key] = _Slot(_static_copy(batch, self.device))
+        return self.slots[key]
+
+    def run_dense(self, slot: _Slot) -> tuple[torch.Tensor, tuple]:
+        """The dense forward and backward on the slot's buffers: replayed, captured then replayed, or eager."""
+        if slot.graph is not None:
+            slot.graph.replay()
+            return slot.outputs
+        use_graph = not self.graphs_off
+        if use_graph and slot.steps >= self.config.warmup_steps:
+            try:
+                self.capture(slot)
+                slot.graph.replay()
+                return slot.outputs
+            except Exception as err:  # whatever stopped the capture: run eagerly from now on
+                self.graphs_off = True
+                slot.graph = slot.outputs = None
+                # What the kernels derived from these buffers during the capture was never computed.
+                for t in _batch_tensors(slot.batch):
+                    torch.autograd.graph.increment_version(t)
+                reason = str(err).splitlines()[0][:200] if str(err) else ""
+                self.log(f"cuda graphs off: capture failed ({type(err).__name__}: {reason}); eager from now on")
+        if use_graph:  # warm-up steps run on a side stream, as a capture does
+            self.side_stream = self.side_stream or torch.cuda.Stream(self.device)
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side_stream):
+                outputs = self.dense(slot)
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            return outputs
+        return self.dense(slot)
+
+    def capture(self, slot: _Slot) -> None:
+        torch.cuda.synchronize(self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the DataLoader's pin-memory thread keeps making CUDA calls (pinned allocations, event
+        # queries) while this thread captures; only this thread's unsafe calls may break the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = self.dense(slot)
+        slot.graph, slot.outputs = graph, outputs
+
+    def dense(self, slot: _Slot) -> tuple[torch.Tensor, tuple]:
+        """``(loss, gradients of the parameters then of the lookup leaves)``; None where unused."""
+        with autocast(self.device, self.autocast_dtype):
+            loss = self.model.loss(slot.batch, self.model(slot.batch, slot.lookups))["loss"]
+        leaves = [leaf for leaf in slot.leaves if leaf.requires_grad]
+        grads = torch.autograd.grad(loss, [*self.params, *leaves], allow_unused=True)
+        return loss.detach(), grads
+
+
+def _batch_tensors(batch: JaggedBatch) -> list[torch.Tensor]:
+    """The batch's tensors in a fixed order (fields, then dict keys sorted), the sparse features left out."""
+    out = []
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, dict):
+            out.extend(value[k] for k in sorted(value))
+    return out
+
+
+def _static_copy(batch: JaggedBatch, device: torch.device) -> JaggedBatch:
+    """A copy of the batch's tensors on ``device`` (never the batch's own tensors, which the caller keeps)."""
+    copies = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            copies[f.name] = value.to(device, copy=True)
+        elif isinstance(value, dict):
+            copies[f.name] = {k: t.to(device, copy=True) for k, t in value.items()}
+    return dataclasses.replace(batch, **copies)
+
+
+def _copy_tensors(static: JaggedBatch, batch: JaggedBatch) -> None:
+    for target, source in zip(_batch_tensors(static), _batch_tensors(batch), strict=True):
+        target.copy_(source, non_blocking=True)
+
+
+def _lookup_tensors(lookups) -> list[torch.Tensor]:
+    return [getattr(lookups, f.name) for f in dataclasses.fields(lookups) if getattr(lookups, f.name) is not None]
+
+
+def _rebuild_lookups(lookups, leaves: list[torch.Tensor]):
+    values = iter(leaves)
+    return dataclasses.replace(
+        lookups, **{f.name: next(values) for f in dataclasses.fields(lookups) if getattr(lookups, f.name) is not None}
+    )

@@ -100,6 +100,30 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     }
 
 
+def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager_step(tmp_path, capsys):
+    """`--count-ops N` counts the eager step's operators by phase; `--bucketed` pads the same batches to static
+    shapes and trains them through gem.loop.StaticStep with the same losses (float32, no dropout: padding
+    changes nothing but rounding); `--cuda-graphs` on a CPU says so once and runs eagerly."""
+    argv = ["--flavor", "debug", "--steps", "3", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
+            "--max-history", "64", "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"),
+            "--precision", "fp32", "dropout=0.0"]
+    eager = tmp_path / "eager.json"
+    assert bench_teacher.main([*argv, "--count-ops", "1", "--json", str(eager)]) == 0
+    counts = json.loads(eager.read_text())["trace"]["op_counts"]
+    assert counts["steps_counted"] == counts["steps_timed"] == 1
+    assert counts["kinds"]["forward"]["gemm"] > 0 and counts["kinds"]["optimizer"]["optimizer"] >= 1
+    assert counts["sync_sites"] == {}  # nothing in the step reads a device value on the host
+    bucketed = tmp_path / "bucketed.json"
+    argv += ["--bucketed", "40,48,64", "--cuda-graphs", "--compare-losses", str(eager), "--json", str(bucketed)]
+    assert bench_teacher.main(argv) == 0
+    assert "cuda graphs off: the model is on cpu; eager steps" in capsys.readouterr().out
+    result = json.loads(bucketed.read_text())
+    static = result["trace"]["static"]
+    assert static["padded_steps"] == 3 and static["graphs_captured"] == 0 and not static["cuda_graphs"]
+    comparison = result["loss_comparison"]
+    assert comparison["same_batches"] and comparison["steps"] == 3 and comparison["max_abs_diff"] < 1e-5
+
+
 def test_kernel_names_fall_into_their_groups():
     """Kernels outside the teacher's ranges are grouped by name (CUDA names as the H200 profiles show them)."""
     from experiments.kernel_groups import name_group

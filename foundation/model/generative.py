@@ -101,6 +101,7 @@ def sampled_softmax_loss(
     *,
     shared_ids: torch.Tensor | None = None,
     shared_vectors: torch.Tensor | None = None,
+    shared_valid: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     position_vectors: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -112,6 +113,8 @@ def sampled_softmax_loss(
         temperature: logits are ``cos / temperature``.
         shared_ids, shared_vectors: ``[M]``, ``[M, e]`` raw rows every position scores against (the batch's
             shared uniform negatives and/or its candidates), or None.
+        shared_valid: ``[M]`` bool, False for shared rows no position may score against (a padding row's
+            candidate), or None (all valid).
         position_ids, position_vectors: ``[P, K]``, ``[P, K, e]`` raw rows of per-position negatives, or None.
     """
     device_type = queries.device.type
@@ -120,8 +123,10 @@ def sampled_softmax_loss(
         positive = (queries * l2_normalize(target_vectors.float())).sum(-1) / temperature
         terms = [positive]
         if shared_ids is not None:
-            cosine = queries @ l2_normalize(shared_vectors.float()).T
-            terms.append(torch.logsumexp(masked_logits(cosine / temperature, shared_ids, target_ids), dim=1))
+            logits = masked_logits(queries @ l2_normalize(shared_vectors.float()).T / temperature, shared_ids, target_ids)
+            if shared_valid is not None:
+                logits = logits.masked_fill(~shared_valid, float("-inf"))
+            terms.append(torch.logsumexp(logits, dim=1))
         if position_ids is not None:
             cosine = PositionCosine.apply(queries, position_vectors.float())
             terms.append(torch.logsumexp(masked_logits(cosine / temperature, position_ids, target_ids), dim=1))

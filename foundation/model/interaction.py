@@ -11,6 +11,7 @@ from itertools import pairwise
 import torch
 from torch import nn
 
+from foundation.model.norms import FusedLayerNorm
 from foundation.model.teacher_config import TeacherConfig
 
 
@@ -38,7 +39,7 @@ class WukongBlock(nn.Module):
         self.n_fm, self.d = max(n_out // 2, 1), d
         self.projection = nn.Parameter(torch.randn(n_in, rank) / max(n_in, 1) ** 0.5)
         self.fm_mlp = nn.Sequential(
-            nn.LayerNorm(n_in * rank),
+            FusedLayerNorm(n_in * rank, feeds_gemm=True),
             nn.Linear(n_in * rank, hidden),
             nn.SiLU(),
             nn.Dropout(dropout),
@@ -46,7 +47,7 @@ class WukongBlock(nn.Module):
         )
         self.compress = TokenMix(n_in, n_out - self.n_fm)
         self.residual = TokenMix(n_in, n_out)
-        self.norm = nn.LayerNorm(d)
+        self.norm = FusedLayerNorm(d, feeds_gemm=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[B, n_in, d]`` -> ``[B, n_out, d]``."""
@@ -68,7 +69,7 @@ class DCNv2Block(nn.Module):
         self.up = nn.ModuleList(nn.Linear(rank, width) for _ in range(num_layers))
         self.dropout = nn.Dropout(dropout)
         self.mix = TokenMix(n_in, n_out)
-        self.norm = nn.LayerNorm(d)
+        self.norm = FusedLayerNorm(d, feeds_gemm=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[B, n_in, d]`` -> ``[B, n_out, d]``."""

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from foundation.model.jagged import last_tokens
+from foundation.model.jagged import RecentTokens
 from foundation.model.norms import apply_layer_norm
 from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_cross_attention, jagged_silu_modulate
@@ -46,6 +48,25 @@ class PersonalizedFFN(nn.Module):
         return x + self.down(self.dropout(hidden))
 
 
+@dataclass
+class SummaryLayout:
+    """What every layer's :class:`SequenceSummary` of one batch needs from its offsets, built once per batch.
+
+    Attributes:
+        seed_offsets: ``[B+1]`` offsets of the PMA seed queries (``num_seeds`` per row), or None without seeds.
+        recent: the K most recent history tokens of every row, or None without them.
+    """
+
+    seed_offsets: torch.Tensor | None
+    recent: RecentTokens | None
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor, num_seeds: int, num_recent: int) -> SummaryLayout:
+        batch = offsets.numel() - 1
+        seeds = torch.arange(batch + 1, device=offsets.device) * num_seeds if num_seeds else None
+        return cls(seeds, RecentTokens.build(offsets, num_recent) if num_recent else None)
+
+
 class SequenceSummary(nn.Module):
     """History tokens -> ``[B, num_cls + num_seeds + num_recent, d]`` summary tokens, self-gated.
 
@@ -68,8 +89,10 @@ class SequenceSummary(nn.Module):
             self.recent_fill = nn.Parameter(torch.zeros(num_recent, d_model))
         self.gate = nn.Linear(d_model, d_model)
 
-    def pool_by_seeds(self, history: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
-        """PMA: ``history[L, d]`` -> ``[B, num_seeds, d]``."""
+    def pool_by_seeds(
+        self, history: torch.Tensor, offsets: torch.Tensor, max_len: int, seed_offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """PMA: ``history[L, d]`` -> ``[B, num_seeds, d]``; ``seed_offsets[B+1]`` from :class:`SummaryLayout`."""
         batch, d = offsets.numel() - 1, history.shape[-1]
         h, s = self.num_heads, self.num_seeds
         q = (
@@ -79,21 +102,27 @@ class SequenceSummary(nn.Module):
             .reshape(batch * s, h, d // h)
         )
         k, v = self.key_value(apply_layer_norm(self.kv_norm, history)).view(-1, 2, h, d // h).unbind(1)
-        q_offsets = torch.arange(batch + 1, device=offsets.device) * s
         # max_len may be 0 (every history empty); any bound >= the longest is valid, and 1 keeps the
         # padded key axis non-empty.
         with profile_region(ATTENTION):
-            pooled = jagged_cross_attention(q, k, v, q_offsets, offsets, s, max(max_len, 1), activation="softmax")
+            pooled = jagged_cross_attention(q, k, v, seed_offsets, offsets, s, max(max_len, 1), activation="softmax")
         return self.seeds + self.pma_out(pooled.reshape(batch, s, d))
 
     def forward(
-        self, history: torch.Tensor, offsets: torch.Tensor, max_len: int, cls_tokens: torch.Tensor
+        self,
+        history: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        cls_tokens: torch.Tensor,
+        layout: SummaryLayout | None = None,
     ) -> torch.Tensor:
-        """``history[L, d]``, ``offsets[B+1]``, ``cls_tokens[B, C, d]`` -> ``[B, C + S + K, d]``."""
+        """``history[L, d]``, ``offsets[B+1]``, ``cls_tokens[B, C, d]`` -> ``[B, C + S + K, d]``; ``layout``: the
+        batch's :class:`SummaryLayout` (built here when None; a model with a summary per layer builds it once)."""
+        layout = layout or SummaryLayout.build(offsets, self.num_seeds, self.num_recent)
         parts = [cls_tokens]
         if self.num_seeds:
-            parts.append(self.pool_by_seeds(history, offsets, max_len))
+            parts.append(self.pool_by_seeds(history, offsets, max_len, layout.seed_offsets))
         if self.num_recent:
-            parts.append(last_tokens(history, offsets, self.num_recent, self.recent_fill))
+            parts.append(layout.recent.gather(history, self.recent_fill))
         summary = torch.cat(parts, dim=1)
         return summary * torch.sigmoid(self.gate(summary))

@@ -44,14 +44,34 @@ def gather_rows(
     return torch.where(valid.unsqueeze(-1), picked, fill.to(picked.dtype))
 
 
+@dataclass
+class RecentTokens:
+    """Where the ``k`` most recent tokens of every sequence are: built once per batch, gathered at every layer.
+
+    Attributes:
+        index: ``[B, k]`` token index of each slot, oldest first (ignored where not valid).
+        valid: ``[B, k]`` bool, False for slots before the start of a shorter sequence.
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor, k: int) -> RecentTokens:
+        index = offsets[1:, None] - k + torch.arange(k, device=offsets.device)
+        return cls(index, index >= offsets[:-1, None])
+
+    def gather(self, tokens: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        """``tokens[L, D]`` -> ``[B, k, D]``; invalid slots hold ``fill`` (``[k, D]`` or ``[D]``)."""
+        return gather_rows(tokens, self.index, self.valid, fill)
+
+
 def last_tokens(tokens: torch.Tensor, offsets: torch.Tensor, k: int, fill: torch.Tensor) -> torch.Tensor:
     """The ``k`` most recent tokens of every sequence, oldest first: ``[B, k, D]``.
 
     Slots before the start of a shorter sequence hold ``fill`` (``[k, D]`` or ``[D]``).
     """
-    index = offsets[1:, None] - k + torch.arange(k, device=offsets.device)
-    valid = index >= offsets[:-1, None]
-    return gather_rows(tokens, index, valid, fill)
+    return RecentTokens.build(offsets, k).gather(tokens, fill)
 
 
 class PermuteRows(torch.autograd.Function):

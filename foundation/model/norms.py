@@ -62,3 +62,21 @@ def apply_layer_norm(
 ) -> torch.Tensor:
     """``norm(scale * x) * gate`` (``x``, ``gate`` ``[..., N]``) in the dtype the next GEMM computes in."""
     return layer_norm(x, norm.weight, norm.bias, norm.eps, scale=scale, gate=gate, out_dtype=autocast_dtype(x))
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and state dict) through the fused :func:`kernels.layer_norm`.
+
+    ``feeds_gemm=True``: the output is in the autocast dtype, for a GEMM that would cast it (one pass
+    instead of autocast's input cast, float32 norm and the GEMM's cast). ``False``: float32 output, as
+    autocast's LayerNorm gives, without its separate input cast.
+    """
+
+    def __init__(self, normalized_shape: int, *, feeds_gemm: bool) -> None:
+        super().__init__(normalized_shape)
+        self.feeds_gemm = feeds_gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.feeds_gemm:
+            return apply_layer_norm(self, x)
+        return layer_norm(x, self.weight, self.bias, self.eps, out_dtype=torch.promote_types(x.dtype, torch.float32))

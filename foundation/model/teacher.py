@@ -40,14 +40,36 @@ from foundation.model.flops import teacher_flops
 from foundation.model.generative import l2_normalize, next_item_targets, sampled_softmax_loss
 from foundation.model.hstu import HSTUBlock
 from foundation.model.interaction import build_interaction_block, build_interaction_stack
-from foundation.model.interformer import PersonalizedFFN, SequenceSummary
+from foundation.model.interformer import PersonalizedFFN, SequenceSummary, SummaryLayout
 from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
 from foundation.model.outputs import ModelOutput, multitask_bce
+from foundation.model.padding import PaddedBatch, real_tokens_and_rows
 from foundation.model.profiling import EMBEDDINGS, GENERATIVE, profile_region
 from foundation.model.sasrec import SASRecBlock
 from foundation.model.teacher_config import TeacherConfig
 
-__all__ = ["GEMTeacher", "TeacherConfig", "build_teacher"]
+__all__ = ["GEMTeacher", "Lookups", "TeacherConfig", "build_teacher"]
+
+
+@dataclass
+class Lookups:
+    """What a batch reads from the teacher's torchrec tables: :meth:`GEMTeacher.look_up`'s result, the input of
+    the dense rest of the model (``GEMTeacher.forward(batch, lookups)``). A step that runs the lookups apart
+    (eagerly, while the dense part replays from a CUDA graph) passes them in.
+
+    Attributes:
+        negative_ids: the uniform negatives a training forward of the generative objective draws (else None):
+            ``[K]`` (``negatives="batch"``) or ``[N, K]`` (``"position"``).
+        item_vectors: ``[L + B + K', item_dim]`` item-table rows of the history, the candidates, then the
+            negatives (``K'`` of them: ``negative_ids.numel()``, or 0), from one lookup.
+        user_features: ``[B, F_user, d]`` pooled user-side feature bags.
+        item_features: ``[B, F_item, d]`` pooled candidate-side feature bags.
+    """
+
+    negative_ids: torch.Tensor | None
+    item_vectors: torch.Tensor
+    user_features: torch.Tensor
+    item_features: torch.Tensor
 
 
 @dataclass
@@ -186,14 +208,32 @@ class GEMTeacher(nn.Module):
 
     # -- sequence and interleaved arches ---------------------------------------------------------
 
-    def embed_non_sequence(self, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(user_tokens[B, n_u, d], item_features[B, F_item, d])``: user features plus a learned bias token."""
+    def look_up(self, batch: JaggedBatch) -> Lookups:
+        """Every torchrec lookup of the batch (:class:`Lookups`): the item table once, the feature bags once.
+
+        A training step looks the item table up once: the generative loss's negatives join the history
+        and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
+        lookup in the loss would give its rows a second optimiser step that one device never takes.
+        """
         b = batch.batch_size
+        with profile_region(EMBEDDINGS):
+            negative_ids = self.draw_negatives(batch) if self.training and self.with_queries else None
+            ids = [batch.history["item_ids"], batch.candidate]
+            if negative_ids is not None:
+                ids.append(negative_ids.flatten())
+            vectors = self.items(torch.cat(ids))
+            if self.uses_user_tokens:
+                user_features, item_features = self.sparse_embedding(batch.sparse, b)
+            else:
+                user_features = item_features = batch.dense.new_zeros(b, 0, self.cfg.d_model)
+        return Lookups(negative_ids, vectors, user_features, item_features)
+
+    def embed_non_sequence(self, batch: JaggedBatch, lookups: Lookups) -> torch.Tensor:
+        """``user_tokens[B, n_u, d]``: the user features plus a learned bias token (none without user tokens)."""
         if not self.uses_user_tokens:
-            empty = batch.dense.new_zeros(b, 0, self.cfg.d_model)
-            return empty, empty
-        user_features, item_features = self.sparse_embedding(batch.sparse, b)
-        return torch.cat([user_features, self.user_bias.expand(b, 1, -1)], dim=1), item_features
+            return lookups.user_features
+        bias = self.user_bias.expand(batch.batch_size, 1, -1)
+        return torch.cat([lookups.user_features, bias], dim=1)
 
     def build_suffix(self, batch: JaggedBatch, candidate_tokens: torch.Tensor | None) -> torch.Tensor:
         """``[B, S, d]``: CLS tokens, then the candidate token ``candidate_tokens[B, d]`` when target-aware."""
@@ -203,32 +243,27 @@ class GEMTeacher(nn.Module):
         return torch.cat(parts, dim=1)
 
     def summarize(
-        self, layer: int, seq: torch.Tensor, layout: SuffixLayout, batch: JaggedBatch
+        self,
+        layer: int,
+        seq: torch.Tensor,
+        layout: SuffixLayout,
+        batch: JaggedBatch,
+        summary_layout: SummaryLayout | None = None,
     ) -> torch.Tensor:
         history, suffix = layout.split(seq)
-        return self.summaries[layer](history, batch.offsets, batch.max_len, suffix[:, : self.cfg.num_cls])
+        return self.summaries[layer](
+            history, batch.offsets, batch.max_len, suffix[:, : self.cfg.num_cls], summary_layout
+        )
 
-    def look_up_items(self, batch: JaggedBatch) -> tuple[torch.Tensor | None, ...]:
-        """``(negative_ids, history_vectors[L, e], candidate_vectors[B, e], negative_vectors)``: one lookup.
-
-        A training step looks the item table up once: the generative loss's negatives join the history
-        and candidates here. Fused sparse optimisers (torchrec) step once per lookup, so a second
-        lookup in the loss would give its rows a second optimiser step that one device never takes.
-        """
+    def encode(self, batch: JaggedBatch, lookups: Lookups) -> Encoded:
+        """Embeddings from the lookups, then the HSTU layers interleaved with the non-sequence arch."""
         num_tokens, b = batch.num_tokens, batch.batch_size
-        negative_ids = self.draw_negatives(batch) if self.training and self.with_queries else None
-        ids = [batch.history["item_ids"], batch.candidate]
-        if negative_ids is not None:
-            ids.append(negative_ids.flatten())
-        vectors = self.items(torch.cat(ids))
-        return negative_ids, *vectors.split([num_tokens, b, vectors.shape[0] - num_tokens - b])
-
-    def encode(self, batch: JaggedBatch) -> Encoded:
-        """Embeddings, then the HSTU layers interleaved with the non-sequence arch."""
-        num_tokens, b = batch.num_tokens, batch.batch_size
+        negative_ids, item_features = lookups.negative_ids, lookups.item_features
+        history_vectors, candidate_vectors, negative_vectors = lookups.item_vectors.split(
+            [num_tokens, b, lookups.item_vectors.shape[0] - num_tokens - b]
+        )
         with profile_region(EMBEDDINGS):
-            negative_ids, history_vectors, candidate_vectors, negative_vectors = self.look_up_items(batch)
-            user_tokens, item_features = self.embed_non_sequence(batch)
+            user_tokens = self.embed_non_sequence(batch, lookups)
             history_tokens, candidate_items, candidate_tokens, pooled = self.history_embedding(
                 batch, history_vectors, None if self.next_item else candidate_vectors
             )
@@ -243,15 +278,18 @@ class GEMTeacher(nn.Module):
         max_len = max(batch.max_len + self.num_suffix, 1)  # a batch of empty histories still has N >= 1
         rows = token_rows(layout.offsets, seq.shape[0]) if self.cfg.interleave else None
         summary = user_tokens.new_zeros(b, 0, self.cfg.d_model)
+        summary_layout = (
+            SummaryLayout.build(batch.offsets, self.cfg.num_pma_seeds, self.cfg.num_recent) if len(self.summaries) else None
+        )
         for layer, block in enumerate(self.blocks):
             if self.cfg.interleave:
                 seq = self.pffns[layer](seq, rows, user_tokens)
             seq = block(seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps)
             if self.cfg.interleave and layer < len(self.summaries):
-                summary = self.summarize(layer, seq, layout, batch)
+                summary = self.summarize(layer, seq, layout, batch, summary_layout)
                 user_tokens = self.user_interactions[layer](torch.cat([user_tokens, summary], dim=1))
         if not self.cfg.interleave and len(self.summaries):
-            summary = self.summarize(0, seq, layout, batch)
+            summary = self.summarize(0, seq, layout, batch, summary_layout)
         history, suffix = layout.split(seq)
         return Encoded(
             history, suffix, user_tokens, summary, item_features, history_vectors, candidate_vectors,
@@ -282,8 +320,10 @@ class GEMTeacher(nn.Module):
         last = gather_rows(queries, batch.offsets[1:] - 1, batch.lengths > 0, fallback)
         return queries, last
 
-    def forward(self, batch: JaggedBatch) -> ModelOutput:
-        enc = self.encode(batch)
+    def forward(self, batch: JaggedBatch, lookups: Lookups | None = None) -> ModelOutput:
+        """The outputs on ``batch``; ``lookups``: its :meth:`look_up` result when the caller ran it (default:
+        looked up here)."""
+        enc = self.encode(batch, self.look_up(batch) if lookups is None else lookups)
         extra = {}
         if self.with_queries:
             with profile_region(GENERATIVE):
@@ -345,6 +385,9 @@ class GEMTeacher(nn.Module):
             queries = torch.cat([queries, out.extra["next_item_query"]])
             target_index = torch.cat([target_index, candidate_index])
             valid = torch.cat([valid, batch.lengths == 0])
+        real = real_tokens_and_rows(batch)
+        if real is not None:  # padding positions weigh nothing (foundation/model/padding.py)
+            valid = valid & (torch.cat(real) if self.next_item else real[0])
         item_ids = torch.cat([batch.history["item_ids"], batch.candidate])
         item_vectors = torch.cat([out.extra["history_vectors"], out.extra["candidate_vectors"]])
         per_position = sampled_softmax_loss(
@@ -367,12 +410,17 @@ class GEMTeacher(nn.Module):
             vectors = self.items(negatives.flatten())
         per_position = self.cfg.negatives == "position"
         shared_ids, shared_vectors = ([], []) if per_position else ([negatives], [vectors])
+        shared_valid = None
         if self.cfg.in_batch_negatives:
             shared_ids.append(batch.candidate)
             shared_vectors.append(out.extra["candidate_vectors"])
+            real = real_tokens_and_rows(batch)
+            if real is not None:  # a padding row's candidate is no negative
+                shared_valid = torch.cat([real[1].new_ones(sum(t.numel() for t in shared_ids[:-1])), real[1]])
         return {
             "shared_ids": torch.cat(shared_ids) if shared_ids else None,
             "shared_vectors": torch.cat(shared_vectors) if shared_vectors else None,
+            "shared_valid": shared_valid,
             "position_ids": negatives if per_position else None,
             "position_vectors": vectors.view(*negatives.shape, -1) if per_position else None,
         }
@@ -421,8 +469,10 @@ class GEMTeacher(nn.Module):
         return query @ table.T / self.cfg.temperature
 
     def flops(self, batch: JaggedBatch, *, training: bool = True) -> float:
-        """Matmul FLOPs of one step on this batch, valid tokens only (see :mod:`foundation.model.flops`)."""
-        return teacher_flops(self.cfg, self.schema, batch.offsets, training=training)
+        """Matmul FLOPs of one step on this batch, valid tokens only (see :mod:`foundation.model.flops`): a
+        padded batch's real rows."""
+        offsets = batch.offsets[: batch.real_rows + 1] if isinstance(batch, PaddedBatch) else batch.offsets
+        return teacher_flops(self.cfg, self.schema, offsets, training=training)
 
 
 def pairwise_dots(tokens: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from kernels.triton.configs import (
     entry_key,
     prune,
 )
+from kernels.triton.per_batch import per_batch
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -586,8 +587,15 @@ class _KernelCall:
             inv_n=1.0 / spec.pointwise_divisor(max_len),
             window=spec.window,
             num_targets=spec.num_targets.to(torch.int64).contiguous() if spec.num_targets is not None else None,
-            timestamps=relative_timestamps(spec.timestamps, offsets) if has_time else None,
-            query_timestamps=relative_timestamps(qts, offsets, origin=spec.timestamps)
+            timestamps=per_batch(
+                "timestamps", (spec.timestamps, offsets), lambda: relative_timestamps(spec.timestamps, offsets)
+            )
+            if has_time
+            else None,
+            query_timestamps=per_batch(
+                "query_timestamps", (qts, offsets, spec.timestamps),
+                lambda: relative_timestamps(qts, offsets, origin=spec.timestamps),
+            )
             if has_time and qts is not None
             else None,
             max_q_len=max_len,
@@ -718,8 +726,12 @@ def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, k
 
 def _longest_first(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
     """``[B]`` int32 sequence indices, most (query, key) pairs first: the grid's order."""
-    pairs = (q_offsets[1:] - q_offsets[:-1]) * (kv_offsets[1:] - kv_offsets[:-1])
-    return torch.argsort(pairs, descending=True, stable=True).to(torch.int32)
+
+    def order() -> torch.Tensor:
+        pairs = (q_offsets[1:] - q_offsets[:-1]) * (kv_offsets[1:] - kv_offsets[:-1])
+        return torch.argsort(pairs, descending=True, stable=True).to(torch.int32)
+
+    return per_batch("longest_first", (q_offsets, kv_offsets), order)
 
 
 # Every score adds its gradient to one entry of a small bias table, so a single float32 copy of

@@ -5,7 +5,8 @@ bf16 autocast, per ``[M, N]`` call: autocast runs LayerNorm in float32, so eager
 output, multiplies it by the gate into another float32 tensor and casts that to bf16 for the next
 GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. The backward reads
 ``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
-per-program float32 partial sums over a block of rows, added once at the end (deterministic).
+per-program float32 partial sums over a block of rows, added once at the end (deterministic, one reduction
+for both).
 
 Forward: one program per row, the whole row in one ``BLOCK_N`` tile (``N`` up to 16,384).
 Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -47,7 +48,7 @@ def _ln_fwd_kernel(
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_ptr, db_ptr,
-    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_dx, stride_dg, scale,
+    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_dx, stride_dg, stride_partial, scale,
     HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -76,8 +77,8 @@ def _ln_bwd_kernel(
         mean_d = tl.sum(d_hat, axis=0) / N
         dx = (d_hat - x_hat * mean_dot - mean_d) * rstd * scale
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
-    tl.store(db_ptr + pid * N + cols, db, mask=mask)
+    tl.store(dw_ptr + pid * stride_partial + cols, dw, mask=mask)
+    tl.store(db_ptr + pid * stride_partial + cols, db, mask=mask)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -122,19 +123,21 @@ class _LayerNormFn(torch.autograd.Function):
         dx = torch.empty_like(x2)
         dg = torch.empty(m, n, device=x2.device, dtype=ctx.gate_dtype) if g2 is not None else None
         programs = _num_programs(m, x2.device)
-        dw = torch.zeros(programs, n, device=x2.device, dtype=torch.float32)
-        db = torch.zeros_like(dw)
+        # Each program writes its partial sums of dw and db side by side (one reduction sums both); only an
+        # empty input launches none.
+        partial = (torch.empty if m else torch.zeros)(programs, 2, n, device=x2.device, dtype=torch.float32)
         block_n = triton.next_power_of_2(max(n, 1))
         if m:
             _ln_bwd_kernel[(programs,)](
                 dy2, x2, weight, bias, g2 if g2 is not None else x2, mean, rstd, dx,
-                dg if dg is not None else dx, dw, db,
+                dg if dg is not None else dx, partial[:, 0], partial[:, 1],
                 m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0),
                 g2.stride(0) if g2 is not None else 0, dx.stride(0), dg.stride(0) if dg is not None else 0,
-                ctx.scale, HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+                partial.stride(0), ctx.scale, HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
             )
-        grad_w = dw.sum(0).to(weight.dtype)
-        grad_b = db.sum(0).to(bias.dtype)
+        sums = partial.sum(0)
+        grad_w = sums[0].to(weight.dtype)
+        grad_b = sums[1].to(bias.dtype)
         grad_g = dg.view(ctx.shape) if dg is not None else None
         return dx.view(ctx.shape), grad_w, grad_b, grad_g, None, None, None
 

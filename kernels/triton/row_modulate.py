@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.per_batch import per_batch
+
 # Token tile x column block. 32 columns give a batch of a few long rows (4,096-event histories, B of 4)
 # 32 programs per row; fixed sizes compile once, whatever the batch.
 BLOCK_L = 64
@@ -73,8 +75,8 @@ def _modulate_bwd_kernel(
         acc_shift += dy
         dh = dy * a[None, :] * (sig + silu * (1.0 - sig))
         tl.store(dh_ptr + tokens[:, None] * stride_dh + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dscale_ptr + row * N + cols, tl.sum(acc_scale, axis=0), mask=col_ok)
-    tl.store(dshift_ptr + row * N + cols, tl.sum(acc_shift, axis=0), mask=col_ok)
+    tl.store(dscale_ptr + row * N + cols, tl.sum(acc_scale, axis=0).to(dscale_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(dshift_ptr + row * N + cols, tl.sum(acc_shift, axis=0).to(dshift_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _unit_columns(x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +90,13 @@ def _launch_shape(batch: int, n: int) -> tuple[tuple[int, int], dict]:
 
 
 def _row_offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """``[B+1]`` boundaries of each row's tokens in the sorted ``rows[L]``."""
-    return torch.searchsorted(rows, torch.arange(batch + 1, device=rows.device, dtype=rows.dtype))
+    """``[B+1]`` boundaries of each row's tokens in the sorted ``rows[L]`` (once per batch: :mod:`.per_batch`)."""
+    return per_batch(
+        "row_offsets",
+        (rows,),
+        lambda: torch.searchsorted(rows, torch.arange(batch + 1, device=rows.device, dtype=rows.dtype)),
+        extra=(batch,),
+    )
 
 
 class _SiluModulateFn(torch.autograd.Function):
@@ -115,15 +122,18 @@ class _SiluModulateFn(torch.autograd.Function):
         dy = _unit_columns(dy)
         batch, n = scale.shape
         dh = torch.empty_like(h, memory_format=torch.contiguous_format)
-        dscale = torch.zeros(batch, n, device=h.device, dtype=torch.float32)
-        dshift = torch.zeros_like(dscale)
-        if batch and n and h.shape[0]:
+        launched = bool(batch and n and h.shape[0])
+        # The kernel sums in float32 and writes each row's sums, rounded once, in the parameters' dtypes.
+        alloc = torch.empty if launched else torch.zeros
+        dscale = alloc(batch, n, device=h.device, dtype=scale.dtype)
+        dshift = alloc(batch, n, device=h.device, dtype=ctx.shift_dtype)
+        if launched:
             grid, blocks = _launch_shape(batch, n)
             _modulate_bwd_kernel[grid](
                 dy, h, scale, offsets, dh, dscale, dshift, n, dy.stride(0), h.stride(0), scale.stride(0), dh.stride(0),
                 **blocks,
             )
-        return dh, dscale.to(scale.dtype), dshift.to(ctx.shift_dtype), None
+        return dh, dscale, dshift, None
 
 
 def jagged_silu_modulate(h, scale, shift, rows):

@@ -1,0 +1,140 @@
+"""Parameters cast to the autocast dtype once per step instead of at every use.
+
+Under bf16 autocast an ``nn.Linear`` casts its float32 weight and bias to bf16 at every call, and autograd
+casts their bf16 gradients back to float32: two kernel launches per parameter per step, several hundred for
+a deep model, each costing the host as much as a GEMM launch. :class:`CastOnce` keeps low-precision copies
+of the parameters whose every use is such a cast, refreshes them with one multi-tensor copy per step, runs
+the forward on them (:func:`torch.func.functional_call`), and after the backward moves their gradients into
+the float32 parameters' ``.grad`` with one more. Values are those of plain autocast: the copy rounds as the
+cast does, and the gradient reaching the copy is the one the cast's backward would convert, exactly.
+
+Which parameters qualify is read from one traced forward (:meth:`CastOnce.discover`): a parameter whose
+autograd node is reached only through a single cast to the autocast dtype (``ToCopyBackward0``), and never
+by anything else (a kernel that reads it directly, a float32 op, a second cast), gets a copy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _CastDtypes(TorchDispatchMode):
+    """Records the dtypes each tensor storage is cast to (``_to_copy``) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts: dict[int, set[torch.dtype]] = defaultdict(set)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            self.casts[args[0].untyped_storage().data_ptr()].add(out.dtype)
+        return out
+
+
+def single_cast_parameters(model: nn.Module, loss: torch.Tensor, casts: dict[int, set[torch.dtype]], dtype: torch.dtype) -> list[str]:
+    """Names of ``model``'s float32 parameters that ``loss``'s autograd graph reaches only through one cast,
+    and that forward cast only to ``dtype`` (``casts``: storage pointer -> dtypes, from :class:`_CastDtypes`)."""
+    users: dict[int, list[str]] = defaultdict(list)  # id(AccumulateGrad) -> names of the nodes feeding it
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for child, _ in node.next_functions:
+            if child is not None and type(child).__name__ == "AccumulateGrad":
+                users[id(child)].append(type(node).__name__)
+            stack.append(child)
+    names = []
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32 or not p.requires_grad or p.grad_fn is not None:
+            continue
+        only_cast = users.get(id(_accumulate_grad(p))) == ["ToCopyBackward0"]
+        if only_cast and casts.get(p.untyped_storage().data_ptr()) == {dtype}:
+            names.append(name)
+    return names
+
+
+def _accumulate_grad(p: torch.Tensor):
+    """The AccumulateGrad node autograd uses for leaf ``p`` (the same object for every graph while p lives)."""
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+class CastOnce:
+    """Low-precision copies of the parameters autocast casts at every use (module doc).
+
+    Per step: ``losses = cast.run(lambda forward: model.loss(batch, forward(batch)))`` under autocast, the
+    backward, then :meth:`collect_grads` before the optimizer step. The first :meth:`run` is a plain step that
+    :meth:`discover` watches; later ones :meth:`refresh` the copies and run ``forward`` on them. Where
+    discovery found nothing (no autocast), ``forward`` is ``model(...)`` and the other calls do nothing.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.model, self.dtype = model, dtype
+        self.discovered = False
+        self.names: list[str] = []
+        self.params: list[nn.Parameter] = []
+        self.copies: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+
+    def discover(self, loss_of_forward) -> torch.Tensor:
+        """Run ``loss_of_forward()`` (a forward and loss of ``model`` under autocast to ``dtype``), find the
+        parameters that qualify (module doc), allocate their copies; returns the loss for a backward."""
+        with _CastDtypes() as watch:
+            loss = loss_of_forward()
+        self.names = single_cast_parameters(self.model, loss, watch.casts, self.dtype)
+        named = dict(self.model.named_parameters())
+        self.params = [named[n] for n in self.names]
+        self.copies = [torch.empty_like(p, dtype=self.dtype).requires_grad_() for p in self.params]
+        self.grads = [torch.empty_like(p) for p in self.params]
+        self.discovered = True
+        return loss
+
+    def run(self, compute: Callable[[Callable], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``compute(forward)`` (a dict with the ``"loss"``) with ``forward`` standing for ``model``: watched by
+        :meth:`discover` the first time, on refreshed copies after that."""
+        if self.discovered:
+            self.refresh()
+            return compute(self.forward)
+        out: dict[str, torch.Tensor] = {}
+
+        def loss() -> torch.Tensor:
+            out.update(compute(self.model))
+            return out["loss"]
+
+        self.discover(loss)
+        return out
+
+    def refresh(self) -> None:
+        """Copy the float32 parameters into their low-precision copies (one multi-tensor copy)."""
+        if self.copies:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copies, self.params)
+            for copy in self.copies:
+                copy.grad = None
+
+    def forward(self, *args, **kwargs):
+        """``model(*args, **kwargs)`` with the copies standing in for their parameters."""
+        if not self.copies:
+            return self.model(*args, **kwargs)
+        return torch.func.functional_call(self.model, dict(zip(self.names, self.copies, strict=True)), args, kwargs, strict=False)
+
+    def collect_grads(self) -> None:
+        """Add the copies' gradients to their float32 parameters' ``.grad`` (one multi-tensor copy)."""
+        fresh, accumulate = [], []
+        for i, (p, copy) in enumerate(zip(self.params, self.copies, strict=True)):
+            if copy.grad is not None:
+                (fresh if p.grad is None else accumulate).append(i)
+        if fresh:
+            torch._foreach_copy_([self.grads[i] for i in fresh], [self.copies[i].grad for i in fresh])
+            for i in fresh:
+                self.params[i].grad = self.grads[i]
+        for i in accumulate:
+            self.params[i].grad.add_(self.copies[i].grad)

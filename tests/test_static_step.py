@@ -1,0 +1,73 @@
+"""The static-shape training step (:class:`gem.loop.StaticStep`) on CPU: everything but the CUDA graph capture —
+per-bucket static buffers reused across steps, the lookups run apart from the dense part, and training that
+equals the plain step on the same padded batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundation.model.padding import StaticShapes, pad_batch
+from foundation.model.teacher import build_teacher
+from gem.loop import GraphConfig, StaticStep, train_step
+from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+from tests.test_ml1m_reference import ALL_SWITCHES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SHAPES = StaticShapes(tokens=48, rows=(8, 16), max_len=12)
+# Two buckets: 16 rows (the first two: 6 rows and 3 padding rows of 28 missing tokens; 10 rows and 1) and
+# 8 rows (the third: 6 rows and 2 padding rows).
+LENGTHS = [[0, 1, 5, 9, 3, 2], [4, 4, 1, 0, 7, 2, 3, 1, 9, 5], [12, 3, 0, 1, 6, 2]]
+
+
+def padded_batches(steps: int) -> list:
+    return [pad_batch(make_batch(CTR_SCHEMA, LENGTHS[i % 3], seed=i), SHAPES) for i in range(steps)]
+
+
+def build(seed: int = 0, **changes):
+    torch.manual_seed(seed)
+    model = build_teacher(tiny_config(generative=True, in_batch_negatives=True, dropout=0.1, **changes), CTR_SCHEMA)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("changes", [{}, ALL_SWITCHES], ids=["default", "reference_block"])
+def test_static_step_trains_as_the_plain_step(changes):
+    batches = padded_batches(5)
+    model, optimizer = build(**changes)
+    torch.manual_seed(9)  # negatives and dropout, drawn in the same order by both
+    plain = [train_step(model, b, optimizer)["loss"].detach() for b in batches]
+    plain_state = {k: v.clone() for k, v in model.state_dict().items()}
+    model, optimizer = build(**changes)
+    step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig())
+    torch.manual_seed(9)
+    static = [step(b) for b in batches]
+    torch.testing.assert_close(torch.stack(static), torch.stack(plain), rtol=1e-6, atol=1e-7)
+    for name, value in model.state_dict().items():  # dense parameters and the tables alike
+        torch.testing.assert_close(value, plain_state[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_static_buffers_are_made_once_per_bucket_and_reused():
+    batches = padded_batches(6)
+    originals = [b.history["item_ids"].clone() for b in batches]
+    model, optimizer = build()
+    step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig())
+    pointers = []
+    for batch in batches:
+        step(batch)
+        pointers.append({id(slot): [t.data_ptr() for t in (slot.batch.offsets, *slot.leaves)] for slot in step.slots.values()})
+    assert len(step.slots) == 2 and {tuple(s.batch.offsets.shape) for s in step.slots.values()} == {(9,), (17,)}
+    assert len(pointers[1]) == 1 and all(p == pointers[-1] for p in pointers[2:])  # the same buffers every step
+    assert [s.steps for s in step.slots.values()] == [4, 2]
+    last = step.slots[next(iter(step.slots))]
+    assert torch.equal(last.batch.history["item_ids"], batches[4].history["item_ids"])  # holds the latest batch
+    # The caller's batches are copied from, never written to.
+    assert all(torch.equal(b.history["item_ids"], o) for b, o in zip(batches, originals, strict=True))
+
+
+def test_cuda_graphs_on_a_cpu_model_say_so_once_and_run_eagerly():
+    lines = []
+    model, optimizer = build()
+    step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig(cuda_graphs=True, warmup_steps=0), log=lines.append)
+    losses = [step(b) for b in padded_batches(3)]
+    assert lines == ["cuda graphs off: the model is on cpu; eager steps"]
+    assert step.graphs == 0 and all(torch.isfinite(loss) for loss in losses)
