@@ -57,6 +57,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import os
 import shlex
 import statistics
@@ -82,32 +83,81 @@ from gem.flavors import get_flavor, synth_preset
 
 RUN_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GEM_KERNELS_AUTOTUNE": "0"}
 FAMILIES = ("teacher", "dlrm")
-# GPU time model of a run, from docs/benchmarks.md: the `small` teacher's 1,024-event step alone on an H200
-# took 28.2 ms for 82k tokens (~27 GFLOP: launch-bound, ~1 TFLOP/s); the `large` teacher reached 4.7-5.9%
-# MFU of the bf16 peak (~50 TFLOP/s), so float32/TF32 matmuls of these narrower models are taken at 30
-# TFLOP/s. The DLRM's step is a few dozen small kernels (taken at 10 ms). Processes sharing the GPU
-# time-slice it: five runs at once gave 1.25x the throughput of one (session 4), the `overlap` credit.
-COST_MODEL = {
-    "overhead_s": {"teacher": 0.028, "dlrm": 0.010},
-    "effective_flops": 30e12,
-    "overlap": 1.25,
-    "eval_batch_rows": 1024,
-}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """GPU time of a run, for the shards and the plan's estimate (:func:`estimated_seconds`).
+
+    A step takes ``overhead_s[family]`` of host time (launches, Python) plus ``step FLOPs / effective_flops``,
+    and never less than its rows take to load (``loader_rows_per_s`` per loader process, ``loaders`` of them;
+    0: not modelled). The GPU is busy for the FLOPs part only. Runs sharing the GPU overlap their host time
+    ``overlap`` ways and serialise their GPU time: a shard takes ``max(sum of GPU seconds, sum of run seconds /
+    overlap)``.
+    """
+
+    overhead_s: tuple[tuple[str, float], ...]
+    effective_flops: float
+    overlap: float
+    loader_rows_per_s: float = 0.0
+    loaders: int = 1
+    eval_batch_rows: int = 1024
+
+    def overhead(self, family: str) -> float:
+        return dict(self.overhead_s)[family]
+
+
+# The first sweep's model, from docs/benchmarks.md: the `small` teacher's 1,024-event step alone on an H200 took
+# 28.2 ms for 82k tokens (~27 GFLOP: launch-bound); float32/TF32 matmuls of these models taken at 30 TFLOP/s; the
+# DLRM's step a few dozen small kernels (10 ms). Five runs at once gave 1.25x the throughput of one (session 4).
+FIRST_SWEEP_COST = CostModel(overhead_s=(("teacher", 0.028), ("dlrm", 0.010)), effective_flops=30e12, overlap=1.25)
+# The second sweep's model (bf16, 512-row steps, 2 loader processes per run), from the first sweep's records
+# (docs/benchmarks.md, "Compute scaling"): its two `w256-l4` runs and one `w128-l3` run shared the GPU at 6.5 +
+# 6.5 + 2.0 = 15 TFLOP/s in float32/TF32 (the other runs were loader-bound), taken as what the GPU gives these
+# shapes; bf16 halves the bytes and doubles the matmul peak, taken as 1.7x: 25 TFLOP/s. Host time per step: the
+# 28.2 ms step plus the casts of autocast, 40 ms; the DLRM 15 ms. The loader (in the main process then) read
+# ~3k rows/s per run; one loader process on this CPU reads 5.5k rows/s of 1,024-event rows (this machine,
+# niced): 5k rows/s per loader process. Six runs at once overlap their host and loader time six ways.
+SECOND_SWEEP_COST = CostModel(
+    overhead_s=(("teacher", 0.040), ("dlrm", 0.015)), effective_flops=25e12, overlap=6.0, loader_rows_per_s=5000.0,
+    loaders=2,
+)
 
 
 @dataclass(frozen=True)
 class Size:
-    """One model size: a flavor of :mod:`gem.flavors` and the dotted overrides that size it."""
+    """One model size: a flavor of :mod:`gem.flavors`, the dotted overrides that size it, its peak learning rate
+    (None: the flavor's ``train.lr``) and, for a probe (a check run on the probe seeds only), what it changes."""
 
     family: str
     name: str
     flavor: str
     overrides: tuple[str, ...]
+    lr: float | None = None
+    probe: str = ""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every run's learning-rate schedule (:class:`experiments.scaling_run.WarmupCosine`): linear warm-up over
+    ``warmup_frac`` of the steps, then a cosine to ``final_frac`` of the peak at the end of the run."""
+
+    warmup_frac: float = 0.05
+    final_frac: float = 0.1
+
+    def warmup_steps(self, steps: int) -> int:
+        return min(max(1, round(self.warmup_frac * steps)), steps - 1) if self.warmup_frac > 0 else 0
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A world, the sizes trained on it, the seeds, and each run's data budget."""
+    """A world, the sizes trained on it, the seeds, and each run's data budget and recipe.
+
+    ``schedule`` None runs :mod:`experiments.teacher_vs_baseline` at the flavor's constant learning rate (the
+    first sweep); otherwise :mod:`experiments.scaling_run` under that schedule at each size's ``lr``.
+    ``probes`` run on ``probe_seeds`` only. ``parallel``: runs at once by default; ``shard_weights``: the share
+    of the plan each of ``len(shard_weights)`` calls takes by default.
+    """
 
     name: str
     world: SynthConfig
@@ -117,6 +167,17 @@ class Plan:
     batch_rows: int
     history: int
     label: str
+    cost: CostModel = FIRST_SWEEP_COST
+    schedule: Schedule | None = None
+    probes: tuple[Size, ...] = ()
+    probe_seeds: tuple[int, ...] = (0,)
+    parallel: int = 0
+    shard_weights: tuple[float, ...] = ()
+
+    @property
+    def train_rows(self) -> int:
+        """Rows each run trains on (every one read once)."""
+        return self.steps * self.batch_rows
 
 
 @dataclass(frozen=True)
@@ -138,7 +199,8 @@ def batch_overrides(history: int, batch_rows: int) -> tuple[str, ...]:
     return (f"data.max_len={history}", f"data.batch_size={batch_rows}", f"data.token_budget={batch_rows * history}")
 
 
-def teacher_size(width: int, layers: int, heads: int, history: int, batch_rows: int) -> Size:
+def teacher_size(width: int, layers: int, heads: int, history: int, batch_rows: int, *, lr: float | None = None,
+                 extra: tuple[str, ...] = ()) -> Size:
     """The ``small`` recipe at ``width`` (d_model, item and expert widths) with ``layers`` HSTU blocks of ``heads``."""
     t = "model.teacher."
     return Size(
@@ -149,12 +211,14 @@ def teacher_size(width: int, layers: int, heads: int, history: int, batch_rows: 
             f"{t}d_model={width}", f"{t}item_dim={width}", f"{t}num_layers={layers}", f"{t}num_heads={heads}",
             f"{t}attn_dim={width // heads}", f"{t}value_dim={width // heads}", f"{t}expert_hidden={2 * width}",
             f"{t}expert_dim={width}", f"{t}wukong_hidden={2 * width}", f"{t}repr_dim={width}",
-            f"{t}max_len={history}", *batch_overrides(history, batch_rows),
+            f"{t}max_len={history}", *batch_overrides(history, batch_rows), *extra,
         ),
+        lr,
     )
 
 
-def dlrm_size(width: int, history: int, batch_rows: int) -> Size:
+def dlrm_size(width: int, history: int, batch_rows: int, *, lr: float | None = None,
+              extra: tuple[str, ...] = ()) -> Size:
     """The ``default`` DLRM at embedding width ``width``: bottom MLP (2w, w), top MLP (8w, 4w)."""
     d = "model.dlrm."
     return Size(
@@ -163,12 +227,34 @@ def dlrm_size(width: int, history: int, batch_rows: int) -> Size:
         "default",
         (
             f"{d}embedding_dim={width}", f"{d}bottom_mlp={2 * width},{width}",
-            f"{d}top_mlp={8 * width},{4 * width}", *batch_overrides(history, batch_rows),
+            f"{d}top_mlp={8 * width},{4 * width}", *batch_overrides(history, batch_rows), *extra,
         ),
+        lr,
     )
 
 
+def width_scaled_lr(base_lr: float, base_width: int, width: int) -> float:
+    """``base_lr`` at ``base_width``, scaled by ``sqrt(base_width / width)``: Adam's best rate falls with width
+    (as ``1/width`` for hidden matrices under muP); the square root is a middle course that the plan's learning-rate
+    probes check at the largest size of each family."""
+    return base_lr * math.sqrt(base_width / width)
+
+
+def lr_probes(size: Size, factors: tuple[float, ...]) -> tuple[Size, ...]:
+    """``size`` at ``factor x`` its peak learning rate, one probe per factor (named ``<size>@lr<factor>x``)."""
+    return tuple(
+        dataclasses.replace(size, name=f"{size.name}@lr{f:g}x", lr=size.lr * f, probe=f"lr x{f:g}") for f in factors
+    )
+
+
+def override_probe(size: Size, tag: str, overrides: tuple[str, ...]) -> Size:
+    """``size`` with ``overrides`` appended (a later override wins), named ``<size>@<tag>``."""
+    return dataclasses.replace(size, name=f"{size.name}@{tag}", overrides=size.overrides + overrides,
+                               probe=" ".join(overrides))
+
+
 def scaling_plan() -> Plan:
+    """The first sweep (2026-12-01): 1,200 steps of 256 rows, the flavors' constant rates, float32."""
     history, rows = 1024, 256
     return Plan(
         name="scaling",
@@ -191,30 +277,81 @@ def scaling_plan() -> Plan:
     )
 
 
+# What every run of the second sweep changes from the flavor: bf16 autocast; two loader processes with pinned
+# batches (the first sweep loaded in the training process, ~3k rows/s); rows shuffled across 8 row groups
+# (65k rows, ~800 users) instead of one (8k rows, ~100 users, so 16 consecutive 512-row batches came from the
+# same users).
+TRAINED_RECIPE = ("train.precision=bf16-mixed", "data.num_workers=2", "data.pin_memory=true", "data.shuffle_window=8")
+# One pass reads no row twice, so the recipe's dropout (tuned where the models memorised within two epochs) only
+# slows learning; the probe `@dropout0.1` puts it back at the largest teacher.
+ONE_PASS_TEACHER = ("model.teacher.dropout=0.0",)
+
+
+def trained_plan() -> Plan:
+    """The second sweep: each size trained properly for one pass over 393k rows (module docstring)."""
+    history, rows = 1024, 512
+    teacher = [
+        teacher_size(w, layers, heads, history, rows, lr=width_scaled_lr(2e-3, 32, w),
+                     extra=TRAINED_RECIPE + ONE_PASS_TEACHER)
+        for w, layers, heads in ((32, 2, 2), (64, 2, 2), (128, 3, 4), (256, 4, 4))
+    ]
+    dlrm = [dlrm_size(w, history, rows, lr=width_scaled_lr(4e-3, 32, w), extra=TRAINED_RECIPE) for w in (32, 128, 512, 2048)]
+    return Plan(
+        name="trained",
+        world=scaling_plan().world,
+        sizes=(*teacher, *dlrm),
+        seeds=(0, 1, 2),
+        steps=768,
+        batch_rows=rows,
+        history=history,
+        label="synthetic default, 2M impressions, 1,024-event histories; 393k rows, warm-up + cosine, bf16",
+        cost=SECOND_SWEEP_COST,
+        schedule=Schedule(warmup_frac=0.05, final_frac=0.1),
+        probes=(
+            *lr_probes(teacher[-1], (0.5, 2.0)),
+            override_probe(teacher[-1], "dropout0.1", ("model.teacher.dropout=0.1",)),
+            *lr_probes(dlrm[-1], (0.5, 2.0)),
+        ),
+        parallel=6,
+        shard_weights=(3.0, 5.0),
+    )
+
+
 def dry_plan() -> Plan:
+    """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
+    steps."""
     history, rows = 32, 64
+    teacher = [teacher_size(w, layers, 2, history, rows, lr=width_scaled_lr(2e-3, 16, w),
+                            extra=TRAINED_RECIPE + ONE_PASS_TEACHER) for w, layers in ((16, 1), (32, 2))]
     return Plan(
         name="dry",
         world=synth_preset("debug", num_users=300, num_examples=3_000, max_history=history, users_per_block=100),
         sizes=(
-            teacher_size(16, 1, 2, history, rows),
-            teacher_size(32, 2, 2, history, rows),
-            dlrm_size(8, history, rows),
-            dlrm_size(32, history, rows),
+            *teacher,
+            dlrm_size(8, history, rows, lr=4e-3, extra=TRAINED_RECIPE),
+            dlrm_size(32, history, rows, lr=2e-3, extra=TRAINED_RECIPE),
         ),
         seeds=(0,),
-        steps=3,
+        steps=4,
         batch_rows=rows,
         history=history,
         label="synthetic debug, 3k impressions (dry run)",
+        cost=SECOND_SWEEP_COST,
+        schedule=Schedule(warmup_frac=0.25, final_frac=0.1),
+        probes=lr_probes(teacher[-1], (2.0,)),
+        parallel=2,
+        shard_weights=(1.0, 2.0),
     )
 
 
-PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "dry": dry_plan}
+PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "dry": dry_plan}
 
 
 def plan_runs(plan: Plan) -> list[Run]:
-    return [Run(size, seed) for size in plan.sizes for seed in plan.seeds]
+    """The sizes on every seed, then the probes on the probe seeds."""
+    return [Run(size, seed) for size in plan.sizes for seed in plan.seeds] + [
+        Run(size, seed) for size in plan.probes for seed in plan.probe_seeds
+    ]
 
 
 # -- the world ------------------------------------------------------------------------------------
@@ -259,27 +396,46 @@ def flops_per_example(size: Size, schema: EventSchema, offsets: torch.Tensor) ->
     return dlrm_flops(cfg.model.dlrm, schema, rows) / rows
 
 
-def estimated_seconds(plan: Plan, family: str, per_example: float, eval_rows: int) -> float:
-    """GPU seconds of one run alone: its steps, then one pass of forward FLOPs (a third) over valid and test."""
-    overhead, rate = COST_MODEL["overhead_s"][family], COST_MODEL["effective_flops"]
-    train = plan.steps * (overhead + plan.batch_rows * per_example / rate)
-    evaluate = eval_rows / COST_MODEL["eval_batch_rows"] * overhead + eval_rows * per_example / 3 / rate
-    return train + evaluate
+def estimated_seconds(plan: Plan, family: str, per_example: float, eval_rows: int) -> dict[str, float]:
+    """``{"seconds", "gpu_seconds"}`` of one run alone (:class:`CostModel`): its steps, then one forward pass (a
+    third of a training step's FLOPs) over valid and test."""
+    cost = plan.cost
+    overhead, rate = cost.overhead(family), cost.effective_flops
+    loader = cost.loader_rows_per_s * cost.loaders
+
+    def span(steps: float, rows_per_step: float, flops_per_step: float) -> float:
+        compute = steps * (overhead + flops_per_step / rate)
+        return max(compute, steps * rows_per_step / loader) if loader else compute
+
+    eval_steps = eval_rows / cost.eval_batch_rows
+    train_flops, eval_flops = plan.train_rows * per_example, eval_rows * per_example / 3
+    return {
+        "seconds": span(plan.steps, plan.batch_rows, plan.batch_rows * per_example)
+        + span(eval_steps, cost.eval_batch_rows, eval_flops / eval_steps),
+        "gpu_seconds": (train_flops + eval_flops) / rate,
+    }
 
 
 def estimate(plan: Plan, world_dir: Path) -> dict[str, dict]:
-    """Per size: training FLOPs per example and the estimated GPU seconds of one run."""
+    """Per size and probe: training FLOPs per example and the estimated seconds of one run."""
     schema = EventSchema.load(world_dir)
     offsets = sample_offsets(world_dir, plan.history)
     rows = world_facts(world_dir)["rows"]
     out = {}
-    for size in plan.sizes:
+    for size in (*plan.sizes, *plan.probes):
         per_example = flops_per_example(size, schema, offsets)
         out[Run(size, 0).size_key] = {
             "flops_per_example": per_example,
-            "seconds": estimated_seconds(plan, size.family, per_example, rows["valid"] + rows["test"]),
+            **estimated_seconds(plan, size.family, per_example, rows["valid"] + rows["test"]),
         }
     return out
+
+
+def check_rows(plan: Plan, world_dir: Path) -> None:
+    """Refuse a plan whose runs would read train rows twice (more rows than the world's train split)."""
+    have = world_facts(world_dir)["rows"]["train"]
+    if plan.train_rows > have:
+        raise ValueError(f"plan {plan.name}: each run trains {plan.train_rows} rows, {world_dir} has {have} train rows")
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -289,21 +445,47 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
-def shard_runs(runs: list[Run], costs: dict[str, dict], index: int, count: int) -> list[Run]:
-    """The ``index``-th of ``count`` groups of ``runs``, balanced by estimated seconds (longest first, each
-    run to the least loaded group; ties by name, so every call splits the same way)."""
+def shard_weights(plan: Plan, text: str | None, count: int) -> tuple[float, ...]:
+    """``--weights A,B,..`` (one positive number per shard), else the plan's ``shard_weights`` when it has
+    ``count`` of them, else equal shares."""
+    if text is None:
+        return plan.shard_weights if len(plan.shard_weights) == count else (1.0,) * count
+    try:
+        weights = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        weights = ()
+    if len(weights) != count or not all(w > 0 for w in weights):
+        raise ValueError(f"--weights {text!r}: expected {count} positive numbers, one per shard")
+    return weights
+
+
+def run_cost(costs: dict[str, dict], run: Run, overlap: float) -> float:
+    """A run's share of a shard's time: its GPU seconds or its seconds over the overlap, the larger."""
+    c = costs[run.size_key]
+    return max(c.get("gpu_seconds", 0.0), c["seconds"] / overlap)
+
+
+def shard_runs(runs: list[Run], costs: dict[str, dict], index: int, count: int,
+               weights: tuple[float, ...] | None = None, overlap: float = 1.0) -> list[Run]:
+    """The ``index``-th of ``count`` groups of ``runs``, balanced by :func:`run_cost` in proportion to ``weights``
+    (longest first, each run to the group with the lowest load per weight after it; ties by name, so every call
+    splits the same way)."""
+    weights = weights or (1.0,) * count
     loads = [0.0] * count
     groups: list[list[Run]] = [[] for _ in range(count)]
-    for run in sorted(runs, key=lambda r: (-costs[r.size_key]["seconds"], r.name)):
-        target = loads.index(min(loads))
+    for run in sorted(runs, key=lambda r: (-run_cost(costs, r, overlap), r.name)):
+        cost = run_cost(costs, run, overlap)
+        target = min(range(count), key=lambda g: ((loads[g] + cost) / weights[g], g))
         groups[target].append(run)
-        loads[target] += costs[run.size_key]["seconds"]
+        loads[target] += cost
     return groups[index]
 
 
-def shard_seconds(runs: list[Run], costs: dict[str, dict]) -> float:
-    """Estimated GPU seconds of ``runs`` sharing one GPU (their sum, less the time-slicing overlap)."""
-    return sum(costs[r.size_key]["seconds"] for r in runs) / COST_MODEL["overlap"]
+def shard_seconds(runs: list[Run], costs: dict[str, dict], overlap: float) -> float:
+    """Estimated seconds of ``runs`` sharing one GPU: their GPU seconds in a row, or their seconds overlapped
+    ``overlap`` ways, the larger."""
+    gpu = sum(costs[r.size_key].get("gpu_seconds", 0.0) for r in runs)
+    return max(gpu, sum(costs[r.size_key]["seconds"] for r in runs) / overlap)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -311,11 +493,19 @@ def shard_seconds(runs: list[Run], costs: dict[str, dict]) -> float:
 
 def run_command(run: Run, world_dir: Path, result: Path, plan: Plan, budget: float,
                 args: argparse.Namespace) -> list[str]:
-    command = [
-        sys.executable, "-m", "experiments.teacher_vs_baseline", "--data", str(world_dir),
-        "--flavor", run.size.flavor, "--seed", str(run.seed), "--epochs", str(args.epochs),
-        "--max-steps", str(plan.steps), "--time-budget", f"{budget:.0f}", "--json", str(result),
-    ]
+    """The run's process: :mod:`experiments.scaling_run` under the plan's schedule, or (no schedule, the first
+    sweep) :mod:`experiments.teacher_vs_baseline` at the flavor's constant rate."""
+    common = ["--data", str(world_dir), "--flavor", run.size.flavor, "--seed", str(run.seed),
+              "--time-budget", f"{budget:.0f}", "--json", str(result)]
+    if plan.schedule is None:
+        command = [sys.executable, "-m", "experiments.teacher_vs_baseline", *common, "--epochs", str(args.epochs),
+                   "--max-steps", str(plan.steps)]
+    else:
+        command = [sys.executable, "-m", "experiments.scaling_run", *common, "--steps", str(plan.steps),
+                   "--warmup-steps", str(plan.schedule.warmup_steps(plan.steps)),
+                   "--final-lr-frac", f"{plan.schedule.final_frac:g}"]
+        if run.size.lr is not None:
+            command += ["--lr", f"{run.size.lr:.6g}"]
     if args.device:
         command += ["--device", args.device]
     return command + list(run.size.overrides)
@@ -386,6 +576,7 @@ def run_row(proc: Process, killed: bool, domains: list[str]) -> dict:
         "model": size.family,
         "size": size.name,
         "seed": proc.run.seed,
+        "probe": size.probe,
         "command": shlex.join(proc.command),
         "rc": proc.popen.returncode,
         "status": "killed" if killed else ("ok" if proc.popen.returncode == 0 else "failed"),
@@ -412,7 +603,13 @@ def run_row(proc: Process, killed: bool, domains: list[str]) -> dict:
         test={k: test[k] for k in ("click/ne", "click/auc", "click/oracle_ne", "conversion/ne") if k in test},
         # A domain without a click in the test split has no NE (NaN): None, and its row leaves the domain out.
         per_domain={name: _finite(test.get(f"click/ne/d{d}")) for d, name in enumerate(domains)},
+        recalibrated_click_ne=result.get("test_recalibrated", {}).get("click/ne"),
+        valid_click_ne=result["history"][result["best_epoch"]]["valid"].get("click/ne"),
+        train_loss=[h["loss"] for h in result["history"]],
     )
+    if "schedule" in result:  # experiments.scaling_run: the peak rate, why it stopped, the train-loss curve
+        row.update(lr=result["schedule"]["lr"], stopped_by=result["stopped_by"],
+                   curve=[{k: c[k] for k in ("end_step", "loss", "lr")} for c in result["curve"]])
     return row
 
 
@@ -434,6 +631,7 @@ def group_rows(runs: list[dict], data: str, command: str, date: str) -> list[dic
     for (model, size), rows in groups.items():
         rows = sorted(rows, key=lambda r: r["seed"])
         ne, ne_std = _mean_std([r["test"]["click/ne"] for r in rows])
+        recalibrated = [r["recalibrated_click_ne"] for r in rows if r.get("recalibrated_click_ne") is not None]
         domains = {
             name: _mean_std([r["per_domain"][name] for r in rows])
             for name in rows[0]["per_domain"]
@@ -455,7 +653,13 @@ def group_rows(runs: list[dict], data: str, command: str, date: str) -> list[dic
             "command": command,
             "date": date,
         })
-    return sorted(out, key=lambda g: (FAMILIES.index(g["model"]), g["flops_per_example"]))
+        if len(recalibrated) == len(rows):
+            out[-1]["recalibrated_click_ne_mean"] = round(statistics.fmean(recalibrated), 5)
+        if "lr" in rows[0]:
+            out[-1].update(lr=rows[0]["lr"], probe=rows[0].get("probe", ""),
+                           stopped_by=[r["stopped_by"] for r in rows])
+    return sorted(out, key=lambda g: (FAMILIES.index(g["model"]), bool(g.get("probe")), g["flops_per_example"],
+                                      g["size"]))
 
 
 def write_summary(summary: dict, path: Path) -> None:
@@ -464,11 +668,15 @@ def write_summary(summary: dict, path: Path) -> None:
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'model':<8} {'size':<10} {'n':>2} {'GFLOP/example':>13} {'train FLOPs':>11} {'click NE ± std':>16}"]
+    lines = [f"{'model':<8} {'size':<20} {'n':>2} {'GFLOP/example':>13} {'train FLOPs':>11} {'click NE ± std':>16}"
+             f" {'recal.':>6} {'lr':>8}  stopped by"]
     for g in summary["rows"]:
+        recalibrated = g.get("recalibrated_click_ne_mean")
         lines.append(
-            f"{g['model']:<8} {g['size']:<10} {len(g['seeds']):>2} {g['flops_per_example'] / 1e9:>13.4f} "
+            f"{g['model']:<8} {g['size']:<20} {len(g['seeds']):>2} {g['flops_per_example'] / 1e9:>13.4f} "
             f"{g['train_flops']:>11.3e} {g['click_ne_mean']:>9.4f}±{g['click_ne_std']:.4f}"
+            f" {recalibrated if recalibrated is not None else float('nan'):>6.4f} {g.get('lr', float('nan')):>8.2e}"
+            f"  {' '.join(g.get('stopped_by', []))}"
         )
     lines += [f"run {r['name']}: {r['status']} (rc {r['rc']}), log {r['log']}" for r in summary["runs"] if r["status"] != "ok"]
     if summary.get("missing"):
@@ -488,10 +696,14 @@ def sweep(args: argparse.Namespace) -> dict:
     call_started = time.monotonic()
     plan = PLANS[args.plan]()
     index, count = parse_shard(args.shard)
+    weights = shard_weights(plan, args.weights, count)
+    if plan.schedule is not None and args.epochs != 1:
+        raise ValueError(f"plan {plan.name}: one pass per run (its schedule's length); --epochs is the first sweep's")
     out, world_dir = Path(args.out), Path(args.world)
     prepare(plan, world_dir, args.workers)
+    check_rows(plan, world_dir)
     costs = estimate(plan, world_dir)
-    runs = shard_runs(plan_runs(plan), costs, index, count)
+    runs = shard_runs(plan_runs(plan), costs, index, count, weights, plan.cost.overlap)
     schema = EventSchema.load(world_dir)
     summary = {
         "plan": plan.name,
@@ -499,6 +711,7 @@ def sweep(args: argparse.Namespace) -> dict:
         "data": plan.label,
         "world": world_facts(world_dir),
         "estimate": costs,
+        "shard_weights": list(weights),
         "command": shlex.join(["python", "-m", "experiments.compute_scaling", *args.argv]),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "env": RUN_ENV,
@@ -509,7 +722,8 @@ def sweep(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if args.bundle:
         Path(args.bundle).mkdir(parents=True, exist_ok=True)
-    print(f"shard {args.shard}: {len(runs)} runs, ~{shard_seconds(runs, costs):.0f} s of GPU (estimate)", flush=True)
+    seconds = shard_seconds(runs, costs, plan.cost.overlap)
+    print(f"shard {args.shard}: {len(runs)} runs, ~{seconds:.0f} s of GPU (estimate)", flush=True)
 
     def on_finish(proc: Process, killed: bool) -> None:
         row = run_row(proc, killed, schema.domain_names)
@@ -522,7 +736,7 @@ def sweep(args: argparse.Namespace) -> dict:
               f"{row.get('train_rows', 0)} rows, {row.get('train_flops', 0):.3e} FLOPs, click NE {ne:.4f}", flush=True)
 
     launch = functools.partial(start, world_dir=world_dir, plan=plan, args=args, call_started=call_started)
-    run_processes(runs, launch, args.parallel or len(runs), args.poll, on_finish)
+    run_processes(runs, launch, args.parallel or plan.parallel or len(runs), args.poll, on_finish)
     write_summary(summary, summary_path)
     if args.bundle:
         bundle(summary_path, out, Path(args.bundle), tag)
@@ -567,15 +781,19 @@ def plot(summary_path: Path, png: Path) -> None:
     summary = json.loads(summary_path.read_text())
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for family, color in zip(FAMILIES, ("tab:blue", "tab:orange"), strict=True):
-        rows = [g for g in summary["rows"] if g["model"] == family]
+        rows = [g for g in summary["rows"] if g["model"] == family and not g.get("probe")]
+        probes = [g for g in summary["rows"] if g["model"] == family and g.get("probe")]
         if not rows:
             continue
-        runs = [r for r in summary["runs"] if r["model"] == family and "test" in r]
+        runs = [r for r in summary["runs"] if r["model"] == family and "test" in r and not r.get("probe")]
         ax.scatter([r["train_flops_at_best"] for r in runs], [r["test"]["click/ne"] for r in runs], color=color,
                    alpha=0.35, s=14)
         ax.errorbar([g["train_flops"] for g in rows], [g["click_ne_mean"] for g in rows],
                     yerr=[g["click_ne_std"] for g in rows], color=color, marker="o", capsize=3, label=family)
-        for g in rows:
+        # Probes (one seed, one change each) beside the curve, not on it.
+        ax.scatter([g["train_flops"] for g in probes], [g["click_ne_mean"] for g in probes], color=color,
+                   marker="x", s=24)
+        for g in (*rows, *probes):
             ax.annotate(g["size"], (g["train_flops"], g["click_ne_mean"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7, color=color)
     oracle = summary.get("world", {}).get("oracle_test", {}).get("click", {}).get("ne")
@@ -598,14 +816,19 @@ def plot(summary_path: Path, png: Path) -> None:
 def print_plan(args: argparse.Namespace) -> None:
     plan = PLANS[args.plan]()
     world_dir = prepare(plan, Path(args.world), args.workers)
+    check_rows(plan, world_dir)
     costs = estimate(plan, world_dir)
     runs = plan_runs(plan)
+    count = args.shards or len(plan.shard_weights) or 2
+    weights = shard_weights(plan, args.weights, count)
     for name, c in costs.items():
-        print(f"{name:<16} {c['flops_per_example'] / 1e9:9.4f} GFLOP/example  {c['seconds']:7.1f} s per run alone")
-    for index in range(args.shards):
-        shard = shard_runs(runs, costs, index, args.shards)
+        print(f"{name:<24} {c['flops_per_example'] / 1e9:9.4f} GFLOP/example  {c['seconds']:7.1f} s per run alone, "
+              f"{c['gpu_seconds']:7.1f} s of it on the GPU")
+    for index in range(count):
+        shard = shard_runs(runs, costs, index, count, weights, plan.cost.overlap)
         names = " ".join(r.name for r in shard)
-        print(f"shard {index}/{args.shards}: {len(shard)} runs, ~{shard_seconds(shard, costs):.0f} s of GPU: {names}")
+        seconds = shard_seconds(shard, costs, plan.cost.overlap)
+        print(f"shard {index}/{count} (weight {weights[index]:g}): {len(shard)} runs, ~{seconds:.0f} s of GPU: {names}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -618,7 +841,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--world", required=True, help="the world's directory (generated unless it holds it)")
         sub.add_argument("--workers", type=int, default=max(1, min(16, os.cpu_count() or 1)),
                          help="processes generating the world")
-    plan.add_argument("--shards", type=int, default=2)
+    plan.add_argument("--shards", type=int, default=0, help="calls to split the plan over (0: the plan's)")
+    for sub in (run, plan):
+        sub.add_argument("--weights", default=None,
+                         help="A,B,..: each shard's share of the plan (default: the plan's, else equal)")
     run.add_argument("--out", required=True, help="runs/<name>/ and summary.json go here")
     run.add_argument("--shard", default="0/1", help="I/N: the I-th of N balanced groups of the plan's runs")
     run.add_argument("--epochs", type=int, default=1)
@@ -627,7 +853,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds from this command's start by which every run must end (0: none)")
     run.add_argument("--grace", type=float, default=120.0,
                      help="seconds past a run's training budget (for its start and evaluation) before it is killed")
-    run.add_argument("--parallel", type=int, default=0, help="runs at once (0: all of the shard)")
+    run.add_argument("--parallel", type=int, default=0, help="runs at once (0: the plan's, else all of the shard)")
     run.add_argument("--device", default=None)
     run.add_argument("--bundle", help="also copy the summary and a tarball of the runs here")
     run.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)

@@ -1,0 +1,230 @@
+"""One run of the compute-scaling sweep: a fixed number of steps under a warm-up + cosine learning-rate schedule.
+
+Usage (``experiments.compute_scaling`` starts one process per run)::
+
+    python -m experiments.scaling_run --data /tmp/world --flavor teacher-small --seed 0 --steps 768 \\
+        --lr 7e-4 --warmup-steps 38 --final-lr-frac 0.1 --time-budget 400 --json run.json \\
+        model.teacher.d_model=256 train.precision=bf16-mixed data.batch_size=512
+
+Any flavor of :mod:`gem.flavors` (dotted overrides after the options) trains ``--steps`` steps over the train
+split (one pass: no row is read twice when ``steps x batch rows`` is at most the split) with the harness's
+step (:func:`gem.loop.train_epoch`: AdamW, ``train.weight_decay``, clipping at ``train.grad_clip``, bf16 autocast
+when ``train.precision`` is ``bf16-mixed``). The learning rate follows :class:`WarmupCosine` from ``--lr`` (default
+the flavor's ``train.lr``): linear warm-up over ``--warmup-steps``, then a cosine down to ``--final-lr-frac`` of
+the peak at the end of the run. The end is ``--steps`` or ``--time-budget`` seconds of training, whichever comes
+first (the schedule's progress is the larger of the two fractions), so a run that its budget cuts still ends at the
+bottom of its decay and is scored as a finished run, at the FLOPs it trained. ``--final-lr-frac 1`` with no warm-up
+is the constant rate of :mod:`experiments.teacher_vs_baseline`.
+
+Then valid and test are scored once (under the training autocast); the JSON has the format of
+:mod:`experiments.teacher_vs_baseline` (one "epoch" in ``history``, ``best_epoch`` 0) plus ``schedule``,
+``stopped_by`` (``steps``, ``time`` or ``data``: the split ran out) and ``curve``: about ``--curve-points`` spans
+of the run, each with its steps, rows, mean train loss (every row read once, so it is the loss on rows the model
+has not seen), the learning rate at its end and its TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from experiments.teacher_vs_baseline import predict_split, recalibrate
+from foundation.config import apply_overrides
+from foundation.data.io import atomic_write_text
+from foundation.data.pipeline import EventStream, build_dataloader
+from foundation.data.schema import EventSchema
+from gem.flavors import get_flavor
+from gem.loop import autocast, train_epoch
+from gem.registry import build_model
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """Learning rate ``lr`` reached linearly over ``warmup_steps``, then a cosine to ``final_frac * lr`` at the end.
+
+    The end is ``steps`` optimizer steps or ``time_budget`` seconds of training (0: no time limit), whichever
+    comes first: after the warm-up, progress is the larger of ``step / steps`` and ``elapsed / time_budget``.
+    """
+
+    lr: float
+    steps: int
+    warmup_steps: int = 0
+    final_frac: float = 1.0
+    time_budget: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.steps < 1:
+            raise ValueError(f"schedule: needs lr > 0 and steps >= 1, got lr={self.lr}, steps={self.steps}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"schedule: warmup_steps={self.warmup_steps} must lie in [0, steps={self.steps})")
+        if not 0 <= self.final_frac <= 1 or self.time_budget < 0:
+            raise ValueError(f"schedule: final_frac={self.final_frac} must lie in [0, 1], time_budget >= 0")
+
+    def progress(self, step: int, elapsed: float) -> float:
+        """Fraction of the run done before optimizer step ``step`` (0-based), ``elapsed`` seconds in: in [0, 1]."""
+        done = step / self.steps
+        if self.time_budget > 0:
+            done = max(done, elapsed / self.time_budget)
+        return min(done, 1.0)
+
+    def lr_at(self, step: int, elapsed: float) -> float:
+        """The learning rate of optimizer step ``step`` taken ``elapsed`` seconds into training."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        start = self.warmup_steps / self.steps
+        decayed = max(self.progress(step, elapsed) - start, 0.0) / (1.0 - start)
+        return self.lr * (self.final_frac + (1.0 - self.final_frac) * 0.5 * (1.0 + math.cos(math.pi * decayed)))
+
+
+class ScheduledLR:
+    """Sets every param group's ``lr`` from ``schedule`` before each ``optimizer.step()`` (a step pre-hook, so
+    any loop that steps the optimizer follows it); the clock starts at ``start`` (a ``clock()`` value)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine, start: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.schedule, self.start, self.clock = schedule, start, clock
+        self.steps = 0
+        self.last_lr = schedule.lr_at(0, 0.0)
+        self.handle = optimizer.register_step_pre_hook(self.before_step)
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        self.last_lr = self.schedule.lr_at(self.steps, self.clock() - self.start)
+        for group in optimizer.param_groups:
+            group["lr"] = self.last_lr
+        self.steps += 1
+
+    def finished(self) -> bool:
+        """True once the schedule's progress has reached 1 (by steps or by time)."""
+        return self.schedule.progress(self.steps, self.clock() - self.start) >= 1.0
+
+
+def train_spans(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, scheduled: ScheduledLR, *,
+                steps: int, span: int, grad_clip: float, autocast_dtype: torch.dtype | None) -> tuple[list[dict], str]:
+    """:func:`gem.loop.train_epoch` over ``batches`` in spans of ``span`` steps until ``scheduled`` finishes or
+    the batches run out; returns one record per span and why training stopped (``steps``, ``time``, ``data``)."""
+    iterator, curve, done = iter(batches), [], 0
+    deadline = None
+    if scheduled.schedule.time_budget > 0:
+        deadline = scheduled.start + scheduled.schedule.time_budget
+    while not scheduled.finished():
+        began = time.perf_counter()
+        record = train_epoch(model, optimizer, itertools.islice(iterator, min(span, steps - done)),
+                             grad_clip=grad_clip, autocast_dtype=autocast_dtype, deadline=deadline)
+        if record["steps"] == 0:
+            return curve, "time" if deadline is not None and time.perf_counter() > deadline else "data"
+        done += record["steps"]
+        curve.append({**record, "end_step": done, "lr": scheduled.last_lr, "seconds": time.perf_counter() - began})
+    return curve, "steps" if done >= steps else "time"
+
+
+def summarize_spans(curve: list[dict]) -> dict:
+    """The whole run's record from its spans: mean loss over every step, steps, rows, FLOPs, throughput."""
+    steps = sum(c["steps"] for c in curve)
+    seconds = sum(c["seconds"] for c in curve)
+    out = {
+        "loss": sum(c["loss"] * c["steps"] for c in curve) / max(steps, 1),
+        "steps": steps,
+        "rows": sum(c["rows"] for c in curve),
+        "flops": sum(c["flops"] for c in curve),
+        "tokens_per_s": sum(c["tokens_per_s"] * c["seconds"] for c in curve) / max(seconds, 1e-9),
+    }
+    out["tflops_per_s"] = out["flops"] / max(seconds, 1e-9) / 1e12
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = apply_overrides(
+        get_flavor(args.flavor), [*args.overrides, f"data.path={args.data}", f"train.seed={args.seed}"]
+    )
+    schema = EventSchema.load(cfg.data.path)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(cfg.train.seed)
+    torch.set_float32_matmul_precision("high")
+    model = build_model(cfg.model, schema).to(device)
+    peak = args.lr if args.lr is not None else cfg.train.lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=cfg.train.weight_decay)
+    dtype = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
+    schedule = WarmupCosine(peak, args.steps, args.warmup_steps, args.final_lr_frac, args.time_budget)
+    stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
+    start = time.perf_counter()
+    scheduled = ScheduledLR(optimizer, schedule, start)
+    curve, stopped_by = train_spans(
+        model, optimizer, build_dataloader(stream, cfg.data), scheduled, steps=args.steps,
+        span=max(1, math.ceil(args.steps / args.curve_points)), grad_clip=cfg.train.grad_clip, autocast_dtype=dtype,
+    )
+    scheduled.handle.remove()
+    record = {"epoch": 0, **summarize_spans(curve), "elapsed_s": time.perf_counter() - start}
+    eval_cfg = dataclasses.replace(cfg.data, batch_size=args.eval_batch_size, token_budget=0)
+    with autocast(device, dtype):
+        valid = predict_split(model, cfg.data.path, "valid", eval_cfg)
+        test = predict_split(model, cfg.data.path, "test", eval_cfg)
+    record["valid"] = valid.metrics(schema.num_domains)
+    record["test"] = test.metrics(schema.num_domains)
+    record["test_recalibrated"] = recalibrate(valid, test, schema.num_domains).metrics(schema.num_domains)
+    print(json.dumps({k: record[k] for k in ("steps", "rows", "loss", "tflops_per_s", "elapsed_s")}
+                     | {"stopped_by": stopped_by, "valid_click_ne": record["valid"].get("click/ne"),
+                        "test_click_ne": record["test"].get("click/ne")}), flush=True)
+    result = {
+        "flavor": args.flavor,
+        "overrides": args.overrides,
+        "seed": args.seed,
+        "data": cfg.data.path,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_rows": record["rows"],
+        "train_flops": record["flops"],
+        "train_flops_at_best": record["flops"],
+        "flops_per_example": record["flops"] / max(record["rows"], 1),
+        "config": cfg.to_dict(),
+        "schedule": dataclasses.asdict(schedule),
+        "stopped_by": stopped_by,
+        "curve": [{k: c[k] for k in ("end_step", "rows", "loss", "lr", "tflops_per_s", "seconds")} for c in curve],
+        "best_epoch": 0,
+        "test": record["test"],
+        "test_recalibrated": record["test_recalibrated"],
+        "history": [record],
+    }
+    if args.json:
+        atomic_write_text(args.json, json.dumps(result, indent=2, default=str))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="a synthetic (ctr) dataset directory")
+    parser.add_argument("--flavor", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps of the run (the schedule's length)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the flavor's train.lr)")
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--final-lr-frac", type=float, default=1.0, help="the rate at the end, as a fraction of --lr")
+    parser.add_argument("--time-budget", type=float, default=0.0, help="seconds of training at most (0: none)")
+    parser.add_argument("--curve-points", type=int, default=16, help="spans of the run the train loss is recorded over")
+    parser.add_argument("--eval-batch-size", type=int, default=1024)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the flavor, e.g. model.teacher.d_model=128")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    try:
+        run(args)
+    except ValueError as exc:
+        print(f"scaling_run: {exc}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
