@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> dict:
         span=max(1, math.ceil(args.steps / args.curve_points)), grad_clip=cfg.train.grad_clip, autocast_dtype=dtype,
     )
     scheduled.handle.remove()
+    if not curve:
+        raise ValueError(f"no step trained within --time-budget {args.time_budget:g} s (stopped by {stopped_by})")
     record = {"epoch": 0, **summarize_spans(curve), "elapsed_s": time.perf_counter() - start}
     eval_cfg = dataclasses.replace(cfg.data, batch_size=args.eval_batch_size, token_budget=0)
     with autocast(device, dtype):

@@ -4,6 +4,7 @@ balanced shards, world reuse, one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import tarfile
 import time
@@ -11,19 +12,28 @@ import time
 import pytest
 import torch
 
+from experiments import scaling_run, teacher_vs_baseline
 from experiments.compute_scaling import (
     PLANS,
+    Run,
     build_parser,
+    check_rows,
+    estimated_seconds,
     flops_per_example,
     main,
     parse_shard,
     plan_runs,
     prepare,
     run_budget,
+    run_command,
     shard_runs,
+    shard_weights,
+    width_scaled_lr,
 )
+from foundation.config import apply_overrides
 from foundation.data.schema import EventSchema
 from foundation.data.synthetic import build_schema
+from gem.flavors import get_flavor
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +51,13 @@ def test_dry_run_trains_every_size_and_counts_its_flops(dry):
     plan = PLANS["dry"]()
     assert {r["name"] for r in summary["runs"]} == {r.name for r in plan_runs(plan)}
     assert all(r["status"] == "ok" for r in summary["runs"]), summary["runs"]
+    sizes = {Run(size, 0).size_key: size for size in (*plan.sizes, *plan.probes)}
     for run in summary["runs"]:
-        assert run["train_rows"] == plan.steps * plan.batch_rows
+        assert run["train_rows"] == plan.steps * plan.batch_rows and run["stopped_by"] == "steps"
+        # Each run trained at its size's peak rate, warmed up, then decayed towards a tenth of it.
+        assert run["lr"] == pytest.approx(sizes[f"{run['model']}-{run['size']}"].lr)
+        curve = [c["lr"] for c in run["curve"]]
+        assert curve[0] < run["lr"] and max(curve) == pytest.approx(run["lr"]) and curve[-1] < run["lr"]
         assert run["train_flops"] == pytest.approx(run["flops_per_example"] * run["train_rows"])
         assert run["train_flops_at_best"] == run["train_flops"]  # one epoch
         assert run["test"]["click/ne"] > 0 and set(run["per_domain"]) == {"feed", "reels", "marketplace"}
@@ -52,7 +67,7 @@ def test_dry_run_trains_every_size_and_counts_its_flops(dry):
         (row,) = [r for r in summary["runs"] if r["size"] == size.name]
         assert row["flops_per_example"] == pytest.approx(flops_per_example(size, schema, torch.tensor([0, 5])))
     for family in ("teacher", "dlrm"):
-        rows = [g for g in summary["rows"] if g["model"] == family]
+        rows = [g for g in summary["rows"] if g["model"] == family and not g["probe"]]
         assert len(rows) == 2
         small, large = sorted(rows, key=lambda g: g["parameters"])
         assert large["flops_per_example"] > 2 * small["flops_per_example"]
@@ -60,6 +75,9 @@ def test_dry_run_trains_every_size_and_counts_its_flops(dry):
         assert {"seeds", "click_ne_mean", "click_ne_std", "click_auc_mean", "per_domain", "command", "date",
                 "data"} <= set(large)
     assert summary["world"]["oracle_test"]["click"]["ne"] < 1
+    (probe,) = [g for g in summary["rows"] if g["probe"]]
+    (base,) = [g for g in summary["rows"] if g["size"] == probe["size"].split("@")[0]]
+    assert probe["lr"] == pytest.approx(2 * base["lr"]) and probe["seeds"] == [0]
     with tarfile.open(tmp / "bundle" / "runs-0of1.tar.gz") as tar:
         names = tar.getnames()
     assert {f"runs-0of1/{r['name']}/result.json" for r in summary["runs"]} <= set(names)
@@ -149,3 +167,89 @@ def test_bad_shard_is_a_one_line_error(text, tmp_path, capsys):
     argv = ["run", "--plan", "dry", "--world", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--shard", text]
     assert main(argv) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_trained_plan_meets_the_issue_and_reads_no_row_twice():
+    plan = PLANS["trained"]()
+    schema = build_schema(plan.world)
+    offsets = torch.tensor([0, 20, 120, 446, 1470])
+    teacher = [s for s in plan.sizes if s.family == "teacher"]
+    dlrm = [s for s in plan.sizes if s.family == "dlrm"]
+    assert len(teacher) >= 4 and len(dlrm) >= 3 and plan.seeds == (0, 1, 2)
+    flops = [flops_per_example(s, schema, offsets) for s in teacher]
+    assert flops == sorted(flops) and flops[-1] > 10 * flops[0]
+    # Wider models get lower peak rates, within each family.
+    for family in (teacher, dlrm):
+        assert all(a.lr > b.lr for a, b in itertools.pairwise(family))
+    assert plan.schedule is not None and plan.train_rows <= plan.world.num_examples * plan.world.split_fractions[0]
+    probes = [r for r in plan_runs(plan) if r.size.probe]
+    assert probes and {r.seed for r in probes} == {0}
+    assert {r.size.name.split("@")[0] for r in probes} >= {teacher[-1].name, dlrm[-1].name}
+    assert len(plan.shard_weights) == 2
+
+
+def test_width_scaled_rates():
+    assert width_scaled_lr(2e-3, 32, 32) == 2e-3
+    assert width_scaled_lr(2e-3, 32, 128) == pytest.approx(1e-3)
+    assert width_scaled_lr(4e-3, 32, 2048) == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize("plan_name", ["trained", "scaling", "dry"])
+def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
+    """What the GPU calls will start: each run's command line through its runner's own parser, and its
+    overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
+    plan = PLANS[plan_name]()
+    args = build_parser().parse_args(["run", "--plan", plan_name, "--world", "w", "--out", "o"])
+    for run in plan_runs(plan):
+        command = run_command(run, tmp_path / "world", tmp_path / "r.json", plan, 300.0, args)
+        assert command[1:3] == ["-m", "experiments.scaling_run" if plan.schedule else "experiments.teacher_vs_baseline"]
+        runner = scaling_run if plan.schedule else teacher_vs_baseline
+        parsed = runner.build_parser().parse_intermixed_args(command[3:])
+        assert parsed.seed == run.seed and parsed.time_budget == 300.0
+        if plan.schedule:
+            assert parsed.steps == plan.steps and parsed.lr == pytest.approx(run.size.lr, rel=1e-5)
+            assert parsed.warmup_steps == plan.schedule.warmup_steps(plan.steps) > 0
+            assert parsed.final_lr_frac == plan.schedule.final_frac
+        else:
+            assert parsed.max_steps == plan.steps
+        cfg = apply_overrides(get_flavor(parsed.flavor), parsed.overrides)
+        assert cfg.data.batch_size == plan.batch_rows and cfg.data.max_len == plan.history
+        if plan_name == "trained":
+            assert cfg.train.precision == "bf16-mixed" and cfg.data.num_workers == 2
+            if run.size.family == "teacher":
+                assert cfg.model.teacher.dropout == (0.1 if "dropout" in run.size.probe else 0.0)
+
+
+def test_weighted_shards_follow_the_weights():
+    plan = PLANS["trained"]()
+    runs = plan_runs(plan)
+    costs = {r.size_key: {"seconds": 10.0, "gpu_seconds": 1.0 + len(r.size.name)} for r in runs}
+    shards = [shard_runs(runs, costs, i, 2, (1.0, 2.0), overlap=6.0) for i in range(2)]
+    assert sorted(r.name for s in shards for r in s) == sorted(r.name for r in runs)
+    loads = [sum(costs[r.size_key]["gpu_seconds"] for r in s) for s in shards]
+    assert abs(loads[1] / 2 - loads[0]) <= max(c["gpu_seconds"] for c in costs.values())
+    assert shard_weights(plan, None, 2) == plan.shard_weights
+    assert shard_weights(plan, None, 3) == (1.0, 1.0, 1.0)
+    assert shard_weights(plan, "1,4", 2) == (1.0, 4.0)
+    for bad in ("1", "1,0", "a,b", "1,2,3"):
+        with pytest.raises(ValueError, match="--weights"):
+            shard_weights(plan, bad, 2)
+
+
+def test_estimate_is_compute_or_loader_bound():
+    plan = PLANS["dry"]()  # 4 steps of 64 rows; cost: 40 ms (teacher) per step, 25 TFLOP/s, 2 x 5k rows/s
+    slow = estimated_seconds(plan, "teacher", 1e12, eval_rows=1024)  # 64 TFLOP per step: 2.56 s of GPU
+    assert slow["gpu_seconds"] == pytest.approx((4 * 64e12 + 1024e12 / 3) / 25e12)
+    assert slow["seconds"] == pytest.approx(4 * (0.04 + 2.56) + 0.04 + 1024e12 / 3 / 25e12)
+    light = estimated_seconds(plan, "teacher", 1e3, eval_rows=1024)  # the loader decides: 64 rows at 10k rows/s
+    assert light["seconds"] == pytest.approx(4 * 0.04 + 1024 / 1e4)  # 40 ms > 6.4 ms a step; eval 102 ms > 40 ms
+    assert light["gpu_seconds"] < 1e-6
+
+
+def test_plan_refuses_more_rows_than_the_split_and_extra_epochs(dry, tmp_path):
+    tmp, _ = dry
+    big = dataclasses.replace(PLANS["dry"](), steps=10_000)
+    with pytest.raises(ValueError, match=r"trains 640000 rows, .* has \d+ train rows"):
+        check_rows(big, tmp / "world")
+    argv = ["run", "--plan", "dry", "--world", str(tmp / "world"), "--out", str(tmp_path / "o"), "--epochs", "2"]
+    assert main(argv) == 2

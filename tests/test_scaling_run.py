@@ -1,0 +1,112 @@
+"""One run of the compute-scaling sweep: the warm-up + cosine schedule (by steps and by time), the optimizer hook
+that applies it, and the runner's ends (out of data, out of time) on a tiny world."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from experiments.scaling_run import ScheduledLR, WarmupCosine, main
+from foundation.data.synthetic import generate_world
+from gem.flavors import synth_preset
+
+
+def test_warmup_is_linear_then_the_cosine_ends_at_the_floor():
+    s = WarmupCosine(lr=1e-3, steps=100, warmup_steps=10, final_frac=0.1)
+    assert [s.lr_at(i, 0.0) for i in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])
+    assert s.lr_at(9, 0.0) == pytest.approx(1e-3)  # the last warm-up step reaches the peak
+    assert s.lr_at(10, 0.0) == pytest.approx(1e-3)  # the decay starts from it
+    assert s.lr_at(55, 0.0) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half-way through the decay
+    decay = [s.lr_at(i, 0.0) for i in range(10, 100)]
+    assert all(a > b for a, b in itertools.pairwise(decay))
+    assert s.lr_at(100, 0.0) == pytest.approx(1e-4) and s.lr_at(500, 0.0) == pytest.approx(1e-4)
+
+
+def test_constant_rate_without_warmup_or_decay():
+    s = WarmupCosine(lr=2e-3, steps=50)
+    assert {s.lr_at(i, 0.0) for i in range(60)} == {2e-3}
+
+
+def test_time_budget_moves_progress_ahead_of_the_steps():
+    s = WarmupCosine(lr=1.0, steps=1000, warmup_steps=0, final_frac=0.0, time_budget=100.0)
+    assert s.progress(10, 50.0) == 0.5  # time is ahead of the steps: it decides
+    assert s.progress(900, 50.0) == 0.9  # the steps are ahead
+    assert s.lr_at(10, 50.0) == pytest.approx(0.5)  # cos(pi/2): half of the peak, not ~1 as by steps
+    assert s.progress(10, 150.0) == 1.0 and s.lr_at(10, 150.0) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(lr=0.0, steps=10), dict(lr=1e-3, steps=0), dict(lr=1e-3, steps=10, warmup_steps=10),
+     dict(lr=1e-3, steps=10, final_frac=1.5), dict(lr=1e-3, steps=10, time_budget=-1.0)],
+)
+def test_bad_schedules_are_refused(kwargs):
+    with pytest.raises(ValueError, match="schedule"):
+        WarmupCosine(**kwargs)
+
+
+def test_hook_sets_the_rate_of_every_step_and_counts_time():
+    now = [0.0]
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([{"params": [param]}, {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=9.0)
+    schedule = WarmupCosine(lr=1.0, steps=4, warmup_steps=2, final_frac=0.0, time_budget=10.0)
+    scheduled = ScheduledLR(optimizer, schedule, start=0.0, clock=lambda: now[0])
+    seen, moves = [], []
+    for _ in range(4):
+        param.grad = torch.ones(3)
+        before = param.detach().clone()
+        optimizer.step()
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        moves.append(float((before - param.detach())[0]))  # SGD moves by lr * grad: the rate the step used
+    # warm-up 1/2, 2/2; then the cosine from the peak at progress 2/4 to 0 at 4/4: 1 at 2/4, 1/2 at 3/4
+    assert seen == [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0], [0.5, 0.5]]
+    assert moves == pytest.approx([0.5, 1.0, 1.0, 0.5])
+    assert scheduled.finished()  # four steps of four
+    scheduled.steps = 3
+    assert not scheduled.finished()
+    now[0] = 10.0  # the time budget is spent: finished whatever the steps
+    assert scheduled.finished()
+    scheduled.handle.remove()
+    optimizer.step()
+    assert optimizer.param_groups[0]["lr"] == 0.5  # no longer driven
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scaling-run") / "world"
+    generate_world(synth_preset("debug", num_users=200, num_examples=2_000, max_history=32, users_per_block=100), out,
+                   progress=False, workers=1)
+    return out
+
+
+def _run(world, tmp_path, *extra):
+    out = tmp_path / "run.json"
+    argv = ["--data", str(world), "--flavor", "debug", "--device", "cpu", "--json", str(out), *extra,
+            "data.batch_size=64", "data.token_budget=0", "data.max_len=32"]
+    return main(argv), out
+
+
+def test_a_run_out_of_data_stops_there_annealed_by_time_or_not(world, tmp_path):
+    rc, out = _run(world, tmp_path, "--steps", "40", "--lr", "3e-3", "--warmup-steps", "2", "--final-lr-frac", "0.1",
+                   "--curve-points", "4")
+    assert rc == 0
+    result = json.loads(out.read_text())
+    train_rows = json.loads((world / "synth.json").read_text())["stats"]["rows"]["train"]
+    assert result["stopped_by"] == "data" and result["train_rows"] == train_rows
+    steps = math.ceil(train_rows / 64)
+    assert 20 < steps < 40 and result["history"][0]["steps"] == steps
+    assert [c["end_step"] for c in result["curve"]] == [10, 20, steps]  # spans of 40 / 4 steps, the last cut short
+    lrs = [c["lr"] for c in result["curve"]]
+    assert lrs[0] > lrs[1] > lrs[2] > 3e-4  # decaying, and not at the floor: the split ran out first
+    assert result["schedule"] == {"lr": 3e-3, "steps": 40, "warmup_steps": 2, "final_frac": 0.1, "time_budget": 0.0}
+    assert result["train_flops"] > 0 and result["test"]["click/ne"] > 0
+
+
+def test_a_run_that_trains_no_step_is_a_one_line_error(world, tmp_path, capsys):
+    rc, out = _run(world, tmp_path, "--steps", "5", "--time-budget", "1e-9")
+    assert rc == 2 and not out.exists()
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("scaling_run: no step trained within")
