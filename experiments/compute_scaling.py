@@ -4,50 +4,59 @@ few seeds each, test click NE against the training FLOPs each run spent (issue 1
 Usage (GPU machine, two calls of one plan, each a shard of its runs; the world is regenerated in each call
 unless ``--world`` already holds it)::
 
-    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 0/2 \\
-        --call-budget 550 --grace 120 --bundle $OUT
-    python -m experiments.compute_scaling run --world /tmp/scale-world --out /tmp/scale --shard 1/2 \\
-        --call-budget 550 --grace 120 --bundle $OUT
+    python -m experiments.compute_scaling run --plan trained --world /tmp/scale-world --out /tmp/scale2 \\
+        --shard 0/2 --call-budget 565 --grace 120 --bundle $OUT
+    python -m experiments.compute_scaling run --plan trained --world /tmp/scale-world --out /tmp/scale2 \\
+        --shard 1/2 --call-budget 565 --grace 120 --bundle $OUT
 
 then, on a machine with matplotlib, from the two bundles::
 
     python -m experiments.compute_scaling combine summary-0of2.json summary-1of2.json --out summary.json
     python -m experiments.compute_scaling merge summary.json docs/results/teacher_vs_dlrm.json
-    python -m experiments.compute_scaling plot summary.json docs/teacher_vs_dlrm_scaling.png
-    python -m experiments.compute_scaling plan --world /tmp/scale-world    # the runs, their FLOPs and time estimate
+    python -m experiments.compute_scaling plot summary.json docs/teacher_vs_dlrm_scaling_trained.png
+    python -m experiments.compute_scaling plan --plan trained --world /tmp/scale-world   # runs, FLOPs, time estimate
 
 The CPU dry run is the same commands with ``--plan dry --device cpu`` (a world of 3k rows, two sizes of
-each model, three steps per run).
+each model and a probe, four steps per run, the ``trained`` plan's recipe and runner).
 
-**Plans** (:data:`PLANS`). ``scaling``: the ``default`` world's ground truth with 2M impressions (80 per
-user) and stored histories of up to 1,024 events; teacher sizes of the ``small`` recipe (``w32`` is
-``teacher-small`` itself) widened and deepened to ~40x its FLOPs per example, and DLRM sizes of the
-``default`` flavor (``d32`` is it) widened to ~140x; seeds 0, 1, 2. Every run reads 1,024 history events,
-trains on batches of 256 rows for ``steps`` steps (one pass over that many distinct rows, a fraction of
-the train split: no row is seen twice, so neither family memorises), then scores the valid and the test
-split once. ``--epochs`` > 1 repeats that on fresh rows and reports the test metrics of the best valid epoch.
+**Plans** (:data:`PLANS`), all on the ``default`` world's ground truth with 2M impressions (80 per user) and
+stored histories of up to 1,024 events; teacher sizes of the ``small`` recipe (``w32`` is ``teacher-small``
+itself) widened and deepened to ~40x its FLOPs per example, DLRM sizes of the ``default`` flavor (``d32`` is it)
+widened; seeds 0, 1, 2. Every run reads 1,024 history events, trains ``steps`` steps of ``batch_rows`` rows (one
+pass over that many distinct rows, a fraction of the train split: no row is seen twice, so neither family
+memorises), then scores the valid and the test split once.
 
-**Runs.** Each is a :mod:`experiments.teacher_vs_baseline` process (``OMP_NUM_THREADS=1``,
-``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not autotune against each other's load), all of a shard
-at once up to ``--parallel``. A run stops training after its budget (then scores and writes its result)
-and is killed ``--grace`` seconds later. The budget is ``--time-budget``, cut so that the run ends by
-``--call-budget`` seconds after the command began: on a machine lent for 10 minutes a slow world
-generation shortens the training, not the results. Each records the model FLOPs it trained (the
-sum of ``model.flops(batch)`` over its steps), so a run cut by its budget still lands at its true place
-on the x-axis. Output: ``<out>/runs/<name>/{log.txt,result.json}`` and ``<out>/summary.json``; with
-``--bundle DIR`` also ``DIR/summary-IofN.json`` (rewritten as each run ends) and, at the end,
+- ``scaling``, the first sweep (2026-12-01): 1,200 steps of 256 rows at the flavors' constant rates, float32,
+  through :mod:`experiments.teacher_vs_baseline` (``--epochs`` > 1 repeats that on fresh rows and reports the
+  test metrics of the best valid epoch).
+- ``trained``, the second: the same 307,200 rows as 600 steps of 512, through :mod:`experiments.scaling_run`:
+  warm-up + cosine to a tenth of a per-size peak rate (:func:`width_scaled_lr`), bf16 autocast, loader
+  processes, wider row shuffling, teacher dropout 0, a fourth DLRM size, and probes (seed 0 only: the rate at
+  x0.5 and x2 at both ends of each family's ladder, dropout back on at ``w128-l3``). docs/benchmarks.md says why.
+
+**Runs.** Each is a runner process (``OMP_NUM_THREADS=1``, ``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not
+autotune against each other's load), ``--parallel`` (else the plan's ``parallel``, else all of a shard) at once,
+longest first. A run stops training after its budget (then scores and writes its result) and is killed
+``--grace`` seconds later. The budget is ``--time-budget``, cut so that the run ends by ``--call-budget`` seconds
+after the command began: on a machine lent for 10 minutes a slow world generation shortens the training, not
+the results; under a schedule a cut run still ends annealed (its progress counts time). Each records the model
+FLOPs it trained (the sum of ``model.flops(batch)`` over its steps), so a run cut by its budget still lands at
+its true place on the x-axis. Output: ``<out>/runs/<name>/{log.txt,result.json}`` and ``<out>/summary.json``;
+with ``--bundle DIR`` also ``DIR/summary-IofN.json`` (rewritten as each run ends) and, at the end,
 ``DIR/runs-IofN.tar.gz`` (logs and results).
 
-**Shards.** ``--shard I/N`` takes the I-th of N groups of runs balanced by estimated GPU time (longest
-first, each to the least loaded group), a deterministic split of the same plan. The estimate
-(:func:`estimated_seconds`) is ``steps x (per-step overhead + step FLOPs / effective rate)`` plus one
-evaluation pass of valid and test, with the constants of :data:`COST_MODEL`.
+**Shards.** ``--shard I/N`` takes the I-th of N groups of runs balanced by estimated time (longest first, each
+to the group with the lowest load per weight; weights from ``--weights``, else the plan's ``shard_weights``),
+a deterministic split of the same plan. The estimate (:func:`estimated_seconds`, :class:`CostModel`) is each
+run's seconds alone and its GPU seconds; a shard takes the larger of its GPU seconds and its seconds over the
+overlap.
 
 **Summary rows** (one per model and size over its seeds, the format of ``docs/results/teacher_vs_dlrm.json``):
 ``model``, ``size``, ``seeds``, ``parameters``, ``flops_per_example`` (training FLOPs per row),
 ``train_flops`` (mean over seeds, up to the end of the best valid epoch), ``click_ne_mean`` / ``_std``,
 ``click_auc_mean``, ``per_domain`` (click NE mean and std by domain name), ``train_rows``, ``data``,
-``command``, ``date``.
+``command``, ``date``; ``recalibrated_click_ne_mean`` (Platt per domain on valid); under a schedule also
+``lr`` (peak), ``probe`` (what a probe changes, empty for a size of the curve) and ``stopped_by`` per seed.
 """
 
 from __future__ import annotations
