@@ -11,9 +11,10 @@ split (one pass: no row is read twice when ``steps x batch rows`` is at most the
 step (:func:`gem.loop.train_epoch`: AdamW, ``train.weight_decay``, clipping at ``train.grad_clip``, bf16 autocast
 when ``train.precision`` is ``bf16-mixed``). The learning rate follows :class:`WarmupCosine` from ``--lr`` (default
 the flavor's ``train.lr``): linear warm-up over ``--warmup-steps``, then a cosine down to ``--final-lr-frac`` of
-the peak at the end of the run. The end is ``--steps`` or ``--time-budget`` seconds of training, whichever comes
-first (the schedule's progress is the larger of the two fractions), so a run that its budget cuts still ends at the
-bottom of its decay and is scored as a finished run, at the FLOPs it trained. ``--final-lr-frac 1`` with no warm-up
+the peak at the end of the run. The end is ``--steps`` or ``--time-budget`` seconds after training began, whichever
+comes first (the schedule's progress is the larger of the two fractions; the time fraction counts from the first
+optimizer step, after the first forward and backward have compiled the kernels), so a run that its budget cuts
+still ends at the bottom of its decay and is scored as a finished run, at the FLOPs it trained. ``--final-lr-frac 1`` with no warm-up
 is the constant rate of :mod:`experiments.teacher_vs_baseline`.
 
 Then valid and test are scored once (under the training autocast); the JSON has the format of
@@ -51,60 +52,72 @@ from gem.registry import build_model
 class WarmupCosine:
     """Learning rate ``lr`` reached linearly over ``warmup_steps``, then a cosine to ``final_frac * lr`` at the end.
 
-    The end is ``steps`` optimizer steps or ``time_budget`` seconds of training (0: no time limit), whichever
-    comes first: after the warm-up, progress is the larger of ``step / steps`` and ``elapsed / time_budget``.
+    The end is ``steps`` optimizer steps or the end of the run's time, whichever comes first: after the warm-up,
+    progress is the larger of ``step / steps`` and the fraction of the run's time spent (given by the caller).
     """
 
     lr: float
     steps: int
     warmup_steps: int = 0
     final_frac: float = 1.0
-    time_budget: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or self.steps < 1:
             raise ValueError(f"schedule: needs lr > 0 and steps >= 1, got lr={self.lr}, steps={self.steps}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"schedule: warmup_steps={self.warmup_steps} must lie in [0, steps={self.steps})")
-        if not 0 <= self.final_frac <= 1 or self.time_budget < 0:
-            raise ValueError(f"schedule: final_frac={self.final_frac} must lie in [0, 1], time_budget >= 0")
+        if not 0 <= self.final_frac <= 1:
+            raise ValueError(f"schedule: final_frac={self.final_frac} must lie in [0, 1]")
 
-    def progress(self, step: int, elapsed: float) -> float:
-        """Fraction of the run done before optimizer step ``step`` (0-based), ``elapsed`` seconds in: in [0, 1]."""
-        done = step / self.steps
-        if self.time_budget > 0:
-            done = max(done, elapsed / self.time_budget)
-        return min(done, 1.0)
+    def progress(self, step: int, time_fraction: float = 0.0) -> float:
+        """Fraction of the run done before optimizer step ``step`` (0-based) with ``time_fraction`` of its time
+        spent: in [0, 1]."""
+        return min(max(step / self.steps, time_fraction), 1.0)
 
-    def lr_at(self, step: int, elapsed: float) -> float:
-        """The learning rate of optimizer step ``step`` taken ``elapsed`` seconds into training."""
+    def lr_at(self, step: int, time_fraction: float = 0.0) -> float:
+        """The learning rate of optimizer step ``step`` taken with ``time_fraction`` of the run's time spent."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         start = self.warmup_steps / self.steps
-        decayed = max(self.progress(step, elapsed) - start, 0.0) / (1.0 - start)
+        decayed = max(self.progress(step, time_fraction) - start, 0.0) / (1.0 - start)
         return self.lr * (self.final_frac + (1.0 - self.final_frac) * 0.5 * (1.0 + math.cos(math.pi * decayed)))
 
 
 class ScheduledLR:
-    """Sets every param group's ``lr`` from ``schedule`` before each ``optimizer.step()`` (a step pre-hook, so
-    any loop that steps the optimizer follows it); the clock starts at ``start`` (a ``clock()`` value)."""
+    """Sets every param group's ``lr`` from ``schedule`` before each ``optimizer.step()`` (a step pre-hook, so any
+    loop that steps the optimizer follows it).
 
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine, start: float,
+    With a ``deadline`` (a ``clock()`` value; None: steps only), the time fraction runs from the first optimizer
+    step to it: the first forward and backward, which compile and tune the kernels, do not count as training
+    time, and the run still ends by the deadline.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine, deadline: float | None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.schedule, self.start, self.clock = schedule, start, clock
+        self.schedule, self.deadline, self.clock = schedule, deadline, clock
+        self.origin: float | None = None
         self.steps = 0
-        self.last_lr = schedule.lr_at(0, 0.0)
+        self.last_lr = schedule.lr_at(0)
         self.handle = optimizer.register_step_pre_hook(self.before_step)
 
+    def time_fraction(self) -> float:
+        if self.deadline is None or self.origin is None:
+            return 0.0
+        return (self.clock() - self.origin) / max(self.deadline - self.origin, 1e-9)
+
     def before_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        self.last_lr = self.schedule.lr_at(self.steps, self.clock() - self.start)
+        if self.origin is None:
+            self.origin = self.clock()
+        self.last_lr = self.schedule.lr_at(self.steps, self.time_fraction())
         for group in optimizer.param_groups:
             group["lr"] = self.last_lr
         self.steps += 1
 
     def finished(self) -> bool:
-        """True once the schedule's progress has reached 1 (by steps or by time)."""
-        return self.schedule.progress(self.steps, self.clock() - self.start) >= 1.0
+        """True once the steps are done or the deadline has passed."""
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return True
+        return self.schedule.progress(self.steps, self.time_fraction()) >= 1.0
 
 
 def train_spans(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, scheduled: ScheduledLR, *,
@@ -112,15 +125,12 @@ def train_spans(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batche
     """:func:`gem.loop.train_epoch` over ``batches`` in spans of ``span`` steps until ``scheduled`` finishes or
     the batches run out; returns one record per span and why training stopped (``steps``, ``time``, ``data``)."""
     iterator, curve, done = iter(batches), [], 0
-    deadline = None
-    if scheduled.schedule.time_budget > 0:
-        deadline = scheduled.start + scheduled.schedule.time_budget
     while not scheduled.finished():
         began = time.perf_counter()
         record = train_epoch(model, optimizer, itertools.islice(iterator, min(span, steps - done)),
-                             grad_clip=grad_clip, autocast_dtype=autocast_dtype, deadline=deadline)
+                             grad_clip=grad_clip, autocast_dtype=autocast_dtype, deadline=scheduled.deadline)
         if record["steps"] == 0:
-            return curve, "time" if deadline is not None and time.perf_counter() > deadline else "data"
+            return curve, "time" if scheduled.finished() else "data"
         done += record["steps"]
         curve.append({**record, "end_step": done, "lr": scheduled.last_lr, "seconds": time.perf_counter() - began})
     return curve, "steps" if done >= steps else "time"
@@ -150,13 +160,15 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(cfg.train.seed)
     torch.set_float32_matmul_precision("high")
     model = build_model(cfg.model, schema).to(device)
+    if args.time_budget < 0:
+        raise ValueError(f"--time-budget {args.time_budget:g}: must be 0 (none) or positive")
     peak = args.lr if args.lr is not None else cfg.train.lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=cfg.train.weight_decay)
     dtype = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
-    schedule = WarmupCosine(peak, args.steps, args.warmup_steps, args.final_lr_frac, args.time_budget)
+    schedule = WarmupCosine(peak, args.steps, args.warmup_steps, args.final_lr_frac)
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
     start = time.perf_counter()
-    scheduled = ScheduledLR(optimizer, schedule, start)
+    scheduled = ScheduledLR(optimizer, schedule, start + args.time_budget if args.time_budget > 0 else None)
     curve, stopped_by = train_spans(
         model, optimizer, build_dataloader(stream, cfg.data), scheduled, steps=args.steps,
         span=max(1, math.ceil(args.steps / args.curve_points)), grad_clip=cfg.train.grad_clip, autocast_dtype=dtype,
@@ -187,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         "train_flops_at_best": record["flops"],
         "flops_per_example": record["flops"] / max(record["rows"], 1),
         "config": cfg.to_dict(),
-        "schedule": dataclasses.asdict(schedule),
+        "schedule": {**dataclasses.asdict(schedule), "time_budget": args.time_budget},
         "stopped_by": stopped_by,
         "curve": [{k: c[k] for k in ("end_step", "rows", "loss", "lr", "tflops_per_s", "seconds")} for c in curve],
         "best_epoch": 0,
