@@ -521,7 +521,7 @@ def run_command(run: Run, world_dir: Path, result: Path, plan: Plan, budget: flo
             command += ["--lr", repr(run.size.lr)]
     if args.device:
         command += ["--device", args.device]
-    return command + list(run.size.overrides)
+    return command + list(run.size.overrides) + list(args.override)
 
 
 @dataclass
@@ -868,6 +868,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds past a run's training budget (for its start and evaluation) before it is killed")
     run.add_argument("--parallel", type=int, default=0, help="runs at once (0: the plan's, else all of the shard)")
     run.add_argument("--device", default=None)
+    run.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                     help="a dotted override for every run, after the plan's (e.g. train.precision=32-true); repeatable")
     run.add_argument("--bundle", help="also copy the summary and a tarball of the runs here")
     run.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
     comb = commands.add_parser("combine", help="one summary from the shards' summaries")

@@ -253,3 +253,15 @@ def test_plan_refuses_more_rows_than_the_split_and_extra_epochs(dry, tmp_path):
         check_rows(big, tmp / "world")
     argv = ["run", "--plan", "dry", "--world", str(tmp / "world"), "--out", str(tmp_path / "o"), "--epochs", "2"]
     assert main(argv) == 2
+
+
+def test_an_override_for_every_run_comes_last(tmp_path):
+    plan = PLANS["trained"]()
+    args = build_parser().parse_args(["run", "--plan", "trained", "--world", "w", "--out", "o",
+                                      "--override", "train.precision=32-true", "--override", "data.num_workers=4"])
+    run = plan_runs(plan)[0]
+    parsed = scaling_run.build_parser().parse_intermixed_args(
+        run_command(run, tmp_path, tmp_path / "r.json", plan, 10.0, args)[3:])
+    cfg = apply_overrides(get_flavor(parsed.flavor), parsed.overrides)
+    assert parsed.overrides[-2:] == ["train.precision=32-true", "data.num_workers=4"]
+    assert cfg.train.precision == "32-true" and cfg.data.num_workers == 4  # the plan said bf16-mixed and 2
