@@ -1,10 +1,11 @@
 """Lightning callbacks of ``gem train``: metrics and checkpoints in a kill-safe order, a progress bar with totals.
 
 :class:`RecordAndCheckpoint` replaces Lightning's ``ModelCheckpoint`` for ``last.ckpt``. It logs a step's
-metrics before it writes the checkpoint covering that step, and at the end of an epoch it writes the
-checkpoint after validation (not before), so a run killed at any moment and resumed from its checkpoint
-has logged every step up to it, and retrains (and re-logs, which :class:`gem.tracking.MetricRecorder`
+metrics before it writes the checkpoint covering that step, and at the end of an epoch that validates it
+writes the checkpoint after validation (not before), so a run killed at any moment and resumed from its
+checkpoint has logged every step up to it, and retrains (and re-logs, which :class:`gem.tracking.MetricRecorder`
 skips) only the steps after it. Metric steps are Lightning's: the index of the optimiser step, from 0.
+:class:`ValidateLastEpoch` validates after the last epoch whatever the validation cadence.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ class RecordAndCheckpoint(Callback):
         self.save(trainer)
 
 
+class ValidateLastEpoch(Callback):
+    """Validation every ``every_n_epochs`` epochs (Lightning's ``check_val_every_n_epoch``) and after the last
+    one, so a run whose ``max_epochs`` is not a multiple of the cadence still ends with its metrics."""
+
+    def __init__(self, every_n_epochs: int) -> None:
+        self.every_n_epochs = every_n_epochs
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        last = (trainer.max_epochs or 0) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+        # Lightning reads the cadence when the epoch's last batch ends.
+        trainer.check_val_every_n_epoch = 1 if last else self.every_n_epochs
+
+
 class GemProgressBar(TQDMProgressBar):
     """Lightning's bar with a total (and so an ETA) for streamed epochs, one refresh per update, no ``v_num``.
 
@@ -82,8 +96,12 @@ class GemProgressBar(TQDMProgressBar):
         return self._estimate("eval") if math.isinf(total) else total
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Lightning's bar metrics and the module's last training loss, read now (at a refresh, not every step)."""
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
+        loss = getattr(pl_module, "step_losses", {}).get("loss")
+        if loss is not None:
+            metrics["train/loss"] = float(loss)
         return metrics
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
