@@ -76,7 +76,11 @@ class EventDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         self.train_stream = self._stream(self.cfg.train_split, training=True)
-        self.start_epoch(self.epoch)
+        # Lightning starts iterating before the epoch's hooks run, and the first epoch it trains after a
+        # restore does not iterate again: point the stream at that epoch, the count of epochs whose batches
+        # all ran (one past ``self.epoch`` for a checkpoint written at an epoch's end).
+        trainer = self.trainer
+        self.start_epoch(trainer.fit_loop.epoch_progress.current.processed if trainer is not None else self.epoch)
         return build_dataloader(self.train_stream, self.cfg)
 
     def val_dataloader(self):

@@ -234,7 +234,9 @@ def fit(cfg: ExperimentConfig, module: RecModule, datamodule: EventDataModule, l
             "--no-resume to start over (it replaces that checkpoint)"
         ) from None
     check_trained(trainer, cfg)
-    trainer.save_checkpoint(last, weights_only=False)
+    record = next(c for c in trainer.callbacks if isinstance(c, RecordAndCheckpoint))
+    if record.saved_step != trainer.global_step:
+        trainer.save_checkpoint(last, weights_only=False)
     if cfg.parallel.enabled:
         trainer.strategy.export_single_file_checkpoint(last)
     return trainer
