@@ -57,7 +57,10 @@ def device_clock() -> float:
 
 
 def new_record() -> dict:
-    return {"wall_s": 0.0, "cpu_s": 0.0, "steps_s": 0.0, "between_s": 0.0, "val_s": 0.0, "val_passes": 0, "steps": 0}
+    return {
+        "wall_s": 0.0, "cpu_s": 0.0, "steps_s": 0.0, "between_s": 0.0, "val_s": 0.0, "val_cpu_s": 0.0, "val_passes": 0,
+        "steps": 0,
+    }
 
 
 class EpochClock(L.Callback):
@@ -84,11 +87,12 @@ class EpochClock(L.Callback):
         self.mark = now
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self.val_started = device_clock()
+        self.val_started, self.val_cpu_started = device_clock(), time.process_time()
 
     def on_validation_end(self, trainer, pl_module) -> None:
         now = device_clock()
         self.epochs[-1]["val_s"] += now - self.val_started
+        self.epochs[-1]["val_cpu_s"] += time.process_time() - self.val_cpu_started
         self.epochs[-1]["val_passes"] += 1
         self.mark = now
 
@@ -135,9 +139,10 @@ def loop_run(cfg: ExperimentConfig, eval_every: int) -> list[dict]:
             record["steps_s"] += mark - now
             record["steps"] += 1
         if (epoch + 1) % eval_every == 0 or epoch + 1 == cfg.train.max_epochs:
-            now = device_clock()
+            now, cpu = device_clock(), time.process_time()
             evaluate(model, valid, cfg.data, items)
             record["val_s"] += device_clock() - now
+            record["val_cpu_s"] += time.process_time() - cpu
             record["val_passes"] += 1
         record["wall_s"] = device_clock() - started
         record["cpu_s"] = time.process_time() - cpu_started
@@ -153,17 +158,24 @@ def summarise(runs: list[list[dict]], max_epochs: int, val_every: int) -> dict:
         return statistics.median(statistics.mean(key(e) for e in epochs) for epochs in later)
 
     passes = [e for epochs in runs for e in epochs if e["val_passes"]]
-    val_s = statistics.median(e["val_s"] / e["val_passes"] for e in passes) if passes else 0.0
-    train_s = median_of(lambda e: e["wall_s"] - e["val_s"])
+
+    def per_pass(key) -> float:
+        return statistics.median(e[key] / e["val_passes"] for e in passes) if passes else 0.0
+
+    validations = -(-max_epochs // val_every)
+    train_s, train_cpu_s = median_of(lambda e: e["wall_s"] - e["val_s"]), median_of(lambda e: e["cpu_s"] - e["val_cpu_s"])
     return {
         "epoch_s": median_of(lambda e: e["wall_s"]),
         "epoch_cpu_s": median_of(lambda e: e["cpu_s"]),
         "train_s": train_s,
+        "train_cpu_s": train_cpu_s,
         "steps_s": median_of(lambda e: e["steps_s"]),
         "between_s": median_of(lambda e: e["between_s"]),
-        "val_pass_s": val_s,
+        "val_pass_s": per_pass("val_s"),
+        "val_pass_cpu_s": per_pass("val_cpu_s"),
         "val_every": val_every,
-        "projected_s": max_epochs * train_s + -(-max_epochs // val_every) * val_s,
+        "projected_s": max_epochs * train_s + validations * per_pass("val_s"),
+        "projected_cpu_s": max_epochs * train_cpu_s + validations * per_pass("val_cpu_s"),
     }
 
 
@@ -198,9 +210,10 @@ def format_report(report: dict) -> str:
     lines = [f"{report['flavor']} {' '.join(report['overrides'])} on {report['machine']}, torch {report['torch']}"]
     for side, s in report["summary"].items():
         lines.append(
-            f"{side:<8} epoch {s['epoch_s']:.3f} s, {s['epoch_cpu_s']:.3f} CPU s (train {s['train_s']:.3f}: steps {s['steps_s']:.3f}, between "
-            f"{s['between_s']:.3f}); validation {s['val_pass_s']:.3f} s/pass every {s['val_every']}; "
-            f"projected {s['projected_s']:.0f} s"
+            f"{side:<8} epoch {s['epoch_s']:.3f} s (train {s['train_s']:.3f}: steps {s['steps_s']:.3f}, between "
+            f"{s['between_s']:.3f}; {s['train_cpu_s']:.3f} CPU s); validation {s['val_pass_s']:.3f} s/pass "
+            f"({s['val_pass_cpu_s']:.3f} CPU s) every {s['val_every']}; {s['projected_s']:.0f} s "
+            f"({s['projected_cpu_s']:.0f} CPU s) projected"
         )
     return "\n".join(lines)
 

@@ -88,10 +88,17 @@ class ValidateLastEpoch(Callback):
     def __init__(self, every_n_epochs: int) -> None:
         self.every_n_epochs = every_n_epochs
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def apply(self, trainer: L.Trainer) -> None:
         last = (trainer.max_epochs or 0) > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
         # Lightning reads the cadence when the epoch's last batch ends.
         trainer.check_val_every_n_epoch = 1 if last else self.every_n_epochs
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A run resumed mid-epoch continues that epoch without its on_train_epoch_start.
+        self.apply(trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.apply(trainer)
 
 
 class GemProgressBar(TQDMProgressBar):
