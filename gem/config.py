@@ -46,6 +46,10 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
+    """How a model trains. Validation runs every ``check_val_every_n_epoch`` epochs and after the last epoch
+    (:class:`gem.callbacks.ValidateLastEpoch`); ``deterministic`` asks torch for deterministic algorithms
+    (Lightning's ``Trainer(deterministic=...)``)."""
+
     max_epochs: int = 1
     max_steps: int = -1
     lr: float = 1e-3
@@ -58,6 +62,8 @@ class TrainConfig:
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 50
     val_check_interval: float = 1.0
+    check_val_every_n_epoch: int = 1
+    deterministic: bool = True
     out_dir: str = "runs"
     experiment: str = "gem"
     tracking_uri: str = ""

@@ -12,7 +12,7 @@ import torch
 
 from foundation.data.batch import BatchPosition, JaggedBatch
 from foundation.data.io import list_shards, open_shard
-from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, count_rows
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, caches_split, count_rows
 from foundation.data.schema import EventSchema
 
 
@@ -37,6 +37,10 @@ class EventDataModule(L.LightningDataModule):
 
     The training module reports every consumed batch (:meth:`record`); the position is saved in the
     checkpoint, and on resume the streams skip what was consumed, so the run continues exactly.
+
+    Lightning asks for each split's loader once per fit and iterates it every epoch, so a split that
+    :func:`~foundation.data.pipeline.caches_split` allows (read in this process, small enough) is read from
+    disk in the first epoch only; its batches are the same either way.
     """
 
     def __init__(self, cfg: DataConfig) -> None:
@@ -65,11 +69,18 @@ class EventDataModule(L.LightningDataModule):
 
     def _stream(self, split: str, training: bool) -> EventStream:
         rank, world = self._rank_world()
-        return EventStream(self.cfg.path, split, self.cfg, training=training, rank=rank, world_size=world)
+        return EventStream(
+            self.cfg.path, split, self.cfg, training=training, rank=rank, world_size=world,
+            cache_blocks=caches_split(self.cfg.path, split, self.cfg),
+        )
 
     def train_dataloader(self):
         self.train_stream = self._stream(self.cfg.train_split, training=True)
-        self.start_epoch(self.epoch)
+        # Lightning starts iterating before the epoch's hooks run, and the first epoch it trains after a
+        # restore does not iterate again: point the stream at that epoch, the count of epochs whose batches
+        # all ran (one past ``self.epoch`` for a checkpoint written at an epoch's end).
+        trainer = self.trainer
+        self.start_epoch(trainer.fit_loop.epoch_progress.current.processed if trainer is not None else self.epoch)
         return build_dataloader(self.train_stream, self.cfg)
 
     def val_dataloader(self):

@@ -163,9 +163,9 @@ class RecModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and batch.position is not None:
             datamodule.record(batch.position)
+        # Read only when logged (step_metrics) or shown (gem.callbacks.GemProgressBar): a read of a device
+        # tensor waits for the device, so no step reads its own loss.
         self.step_losses = {name: value.detach() for name, value in losses.items()}
-        # The progress bar's loss; MLflow gets every loss from step_metrics().
-        self.log("train/loss", losses["loss"], prog_bar=True, logger=False, batch_size=batch.batch_size)
         return losses["loss"].detach() * weight
 
     def step_metrics(self) -> dict[str, float]:
@@ -205,11 +205,15 @@ class RecModule(L.LightningModule):
             datamodule.start_epoch(self.current_epoch)
 
     def configure_optimizers(self):
+        """AdamW, fused (one kernel per step instead of several per parameter) where :func:`fuses_adamw` allows."""
         params = self.parameters()
         if self.sharing is not None:
             # Shared teacher parameters train by the sharing policy: frozen, or in a lower-lr group.
             params = build_param_groups(self.model, self.sharing, self.cfg.train.lr)
-        return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+        # Under parallel.enabled the distributed checkpoint pre-allocates AdamW's state as the unfused
+        # optimizer keeps it (the step count on the host), so the default implementation stays.
+        fused = not self.cfg.parallel.enabled and fuses_adamw(list(self.parameters()))
+        return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay, fused=fused)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_state"] = torch.get_rng_state()
@@ -219,6 +223,18 @@ class RecModule(L.LightningModule):
         if "rng_state" in checkpoint:
             torch.set_rng_state(checkpoint["rng_state"])
         adopt_automatic_step_count(checkpoint)
+
+
+# Devices with torch's fused AdamW kernel (CPU since torch 2.4).
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
+def fuses_adamw(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW can step ``params``: plain floating-point parameters (no tensor subclasses
+    such as DTensor shards) on a device it has a kernel for."""
+    return bool(params) and all(
+        type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type in FUSED_ADAMW_DEVICES for p in params
+    )
 
 
 def check_resumable(module: RecModule, checkpoint: dict[str, Any]) -> None:

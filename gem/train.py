@@ -31,7 +31,7 @@ from foundation.data.io import CorruptFileError, atomic_path, sha256_file
 from foundation.data.pipeline import count_rows
 from foundation.data.schema import TASKS, SchemaError
 from foundation.data.validate import DataValidationError
-from gem.callbacks import GemProgressBar, RecordAndCheckpoint
+from gem.callbacks import GemProgressBar, RecordAndCheckpoint, ValidateLastEpoch
 from gem.config import ExperimentConfig
 from gem.datamodule import EventDataModule
 from gem.errors import ResumeError, TrainingError
@@ -90,13 +90,16 @@ def run_dir(cfg: ExperimentConfig) -> Path:
 
 
 def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: MetricRecorder | None) -> L.Trainer:
+    if cfg.train.check_val_every_n_epoch < 1:
+        raise ConfigError(f"train.check_val_every_n_epoch={cfg.train.check_val_every_n_epoch} must be at least 1")
     callbacks: list[L.Callback] = [
         RecordAndCheckpoint(
             run_dir(cfg) / "checkpoints" / "last.ckpt",
             every_n_steps=cfg.train.checkpoint_every_n_steps,
             log_every_n_steps=cfg.train.log_every_n_steps,
             recorder=recorder,
-        )
+        ),
+        ValidateLastEpoch(cfg.train.check_val_every_n_epoch),
     ]
     if cfg.train.progress_bar:
         callbacks.append(GemProgressBar(refresh_rate=10))
@@ -114,13 +117,14 @@ def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: 
         max_steps=cfg.train.max_steps,
         log_every_n_steps=cfg.train.log_every_n_steps,
         val_check_interval=cfg.train.val_check_interval,
+        check_val_every_n_epoch=cfg.train.check_val_every_n_epoch,
         num_sanity_val_steps=0,
         logger=logger if logger is not None else False,
         callbacks=callbacks,
         enable_checkpointing=False,
         enable_progress_bar=cfg.train.progress_bar,
         enable_model_summary=False,
-        deterministic=True,
+        deterministic=cfg.train.deterministic,
     )
 
 
@@ -230,7 +234,9 @@ def fit(cfg: ExperimentConfig, module: RecModule, datamodule: EventDataModule, l
             "--no-resume to start over (it replaces that checkpoint)"
         ) from None
     check_trained(trainer, cfg)
-    trainer.save_checkpoint(last, weights_only=False)
+    record = next(c for c in trainer.callbacks if isinstance(c, RecordAndCheckpoint))
+    if record.saved_step != trainer.global_step:
+        trainer.save_checkpoint(last, weights_only=False)
     if cfg.parallel.enabled:
         trainer.strategy.export_single_file_checkpoint(last)
     return trainer

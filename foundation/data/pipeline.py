@@ -39,7 +39,10 @@ class DataConfig:
     must be at least ``max_len`` so that any single row fits. ``shuffle_window`` row groups of a stream
     are shuffled together (0: all of them; memory: that many row groups at once). ``verify_sha256`` checks each shard against
     its ``.sha256`` once per process before reading it (:func:`foundation.data.io.open_shard`); page CRCs
-    are checked at every read either way.
+    are checked at every read either way. ``cache_bytes``: a split read in the trainer's process
+    (``num_workers=0``) keeps its decoded row groups in memory across epochs when its decoded size
+    (:func:`decoded_bytes`) is at most this (0: never), so that an epoch after the first only shuffles
+    and packs (:func:`caches_split`).
     """
 
     path: str = "data/synth-debug"
@@ -56,12 +59,15 @@ class DataConfig:
     pin_memory: bool = False
     verify_sha256: bool = True
     shuffle_window: int = 1
+    cache_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         if self.max_len < 1 or self.batch_size < 1:
             raise ValueError("data.max_len and data.batch_size must be positive")
         if self.shuffle_window < 0:
             raise ValueError(f"data.shuffle_window={self.shuffle_window} must be 0 (all) or positive")
+        if self.cache_bytes < 0:
+            raise ValueError(f"data.cache_bytes={self.cache_bytes} must be 0 (never cache) or positive")
         if self.token_budget and self.token_budget < self.max_len:
             raise ValueError(f"data.token_budget={self.token_budget} must be 0 or >= data.max_len={self.max_len}")
 
@@ -357,6 +363,26 @@ def build_dataloader(stream: EventStream, cfg: DataConfig) -> DataLoader:
         pin_memory=cfg.pin_memory and torch.cuda.is_available(),
         persistent_workers=False,
     )
+
+
+def decoded_bytes(dataset_dir: str | Path, split: str) -> int:
+    """Bytes a split takes decoded into :class:`RowBlock` s, estimated from the Parquet footers: 8 per value
+    and per list offset (the blocks hold int64 ids and offsets; float32 columns take less)."""
+    total = 0
+    for shard in list_shards(dataset_dir, split):
+        meta = pq.ParquetFile(shard).metadata
+        for index in range(meta.num_row_groups):
+            group = meta.row_group(index)
+            values = sum(group.column(c).num_values for c in range(group.num_columns))
+            total += 8 * (values + group.num_rows * group.num_columns)
+    return total
+
+
+def caches_split(dataset_dir: str | Path, split: str, cfg: DataConfig) -> bool:
+    """Whether an :class:`EventStream` of ``split`` should cache its row groups: read in the trainer's
+    process (DataLoader workers start afresh every epoch, so a cache there would be lost) and no larger
+    decoded than ``cfg.cache_bytes``."""
+    return cfg.num_workers == 0 and cfg.cache_bytes > 0 and decoded_bytes(dataset_dir, split) <= cfg.cache_bytes
 
 
 def count_rows(dataset_dir: str | Path, split: str) -> int:
