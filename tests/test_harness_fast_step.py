@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 
+from experiments import bench_teacher, bench_teacher_harness
 from foundation.checkpoint import load_checkpoint_file
 from foundation.config import ConfigError, apply_overrides
 from foundation.model.padding import PaddedBatch
@@ -164,6 +165,26 @@ def test_a_run_killed_with_the_switches_on_resumes_exactly(dataset, tmp_path, sw
     assert ref["global_step"] == cut["global_step"] == 8
     for name, tensor in ref["state_dict"].items():
         assert torch.equal(tensor, cut["state_dict"][name]), name
+
+
+def test_the_harness_bench_trains_as_bench_teacher_on_its_world(tmp_path):
+    """experiments.bench_teacher_harness (the harness, bucketed) and experiments.bench_teacher (its own loop,
+    bucketed) on the same generated world: the same batches and, in float32 without dropout, the same losses."""
+    world = ["--data", str(tmp_path / "world"), "--examples", "2000", "--items", "500"]
+    bench, harness = tmp_path / "bench.json", tmp_path / "harness.json"
+    assert bench_teacher.main([
+        "--flavor", "debug", *world, "--steps", "3", "--rows", "64", "--token-budget", "1024", "--max-history", "64",
+        "--workers", "0", "--device", "cpu", "--precision", "fp32", "--bucketed", "40,64", "dropout=0.0", "--json", str(bench),
+    ]) == 0
+    assert bench_teacher_harness.main([
+        "--flavor", "teacher-debug", *world, "--steps", "3", "--warmup", "1", "data.batch_size=64", "data.token_budget=1024",
+        "data.num_workers=0", "train.bucket_rows=(40,64)", "--compare-losses", str(bench), "train.lr=1e-4",
+        "train.grad_clip=0.0", "model.teacher.dropout=0.0", "--json", str(harness),
+    ]) == 0
+    result = json.loads(harness.read_text())
+    assert result["step"]["padded_steps"] == 3 and result["step"]["buckets_used"] >= 1 and result["steps_run"] == 3
+    comparison = result["loss_comparison"]
+    assert comparison["same_batches"] and comparison["steps"] == 3 and comparison["max_abs_diff"] < 1e-5
 
 
 def options(flavor: str, *overrides: str):
