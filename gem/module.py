@@ -218,9 +218,17 @@ class RecModule(L.LightningModule):
         return self.static_step
 
     def clip_norm(self, max_norm: float) -> None:
-        """Clip the optimizer's gradients to norm ``max_norm`` with Lightning's clipping (the strategy's, for
-        sharded gradients)."""
-        self.clip_gradients(self.optimizers(), gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        """Clip the gradients of the optimizer's parameters to total norm ``max_norm``.
+
+        With a gradient scaler (``16-mixed``) through Lightning's clipping; else as Lightning's clipping does it,
+        ``torch.nn.utils.clip_grad_norm_`` (a parallel strategy's DTensor gradients included), which Lightning
+        refuses to run for a fused optimizer under any mixed precision, bf16's too, which has no scaler.
+        """
+        optimizer = self.optimizers()
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+            return
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
 
     def step_metrics(self) -> dict[str, float]:
         """The last step's losses (``train/<name>``) and throughput since the clock started (``perf/<name>``)."""
