@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_losses and not Path(args.compare_losses).is_file():
         raise SystemExit(f"--compare-losses: {args.compare_losses} does not exist")
     result = run(args)
-    result["command"] = "python -m experiments.bench_teacher_harness " + " ".join(argv)
+    result["command"] = "python -m experiments.bench_teacher_harness " + shlex.join(argv)
     if args.compare_losses:
         result["loss_comparison"] = compare_losses(result["trace"], args.compare_losses)
     if args.record:
