@@ -96,7 +96,6 @@ def process_age_s() -> float:
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from torch.utils.data import IterableDataset  # noqa: E402
 
 from experiments.kernel_groups import kernel_breakdown  # noqa: E402
 from experiments.op_count import count_steps, format_counts  # noqa: E402
@@ -105,7 +104,7 @@ from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
 from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
-from foundation.model.padding import PaddedBatch, StaticShapes, pad_batch, static_shapes  # noqa: E402
+from foundation.model.padding import PaddedBatch, PaddedBatches, static_shapes  # noqa: E402
 from foundation.model.precision import CastOnce  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
@@ -152,7 +151,7 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
 
     def step(batch) -> torch.Tensor:
         # A padded batch is copied from pinned host memory into its bucket's buffers.
-        loss = static_step(batch) if isinstance(batch, PaddedBatch) else train_step(batch)
+        loss = static_step(batch)["loss"] if isinstance(batch, PaddedBatch) else train_step(batch)
         if use_cuda:
             torch.cuda.synchronize(device)
         return loss
@@ -208,18 +207,6 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
         print(format_counts(counts), flush=True)
         trace["op_counts"] = counts
     return trace
-
-
-class PaddedBatches(IterableDataset):
-    """The stream's batches padded to static shapes (in the DataLoader's workers, so they are pinned as
-    usual); a batch no bucket holds passes unpadded."""
-
-    def __init__(self, stream: EventStream, shapes: StaticShapes) -> None:
-        self.stream, self.shapes = stream, shapes
-
-    def __iter__(self):
-        for batch in self.stream:
-            yield pad_batch(batch, self.shapes) or batch
 
 
 def log_line(line: str) -> None:

@@ -48,7 +48,17 @@ class ModelConfig:
 class TrainConfig:
     """How a model trains. Validation runs every ``check_val_every_n_epoch`` epochs and after the last epoch
     (:class:`gem.callbacks.ValidateLastEpoch`); ``deterministic`` asks torch for deterministic algorithms
-    (Lightning's ``Trainer(deterministic=...)``)."""
+    (Lightning's ``Trainer(deterministic=...)``).
+
+    The teacher's step has three switches (:mod:`gem.step_options`; none changes what is learned):
+    ``cast_once`` (under ``bf16-mixed``: each parameter autocast casts at every use is cast once per step,
+    :class:`~foundation.model.precision.CastOnce`); ``bucket_rows`` (row counts, ascending: each training
+    batch is padded to ``data.token_budget`` tokens and the smallest count that holds it, in the DataLoader's
+    workers, and trained through :class:`~gem.loop.StaticStep` on static buffers per bucket; empty: off);
+    ``cuda_graphs`` (with ``bucket_rows``, on CUDA: each bucket's dense forward and backward are captured into
+    a CUDA graph after ``graph_warmup`` eager steps and replayed). Single-device only: under
+    ``parallel.enabled`` they are off, with one logged line.
+    """
 
     max_epochs: int = 1
     max_steps: int = -1
@@ -70,6 +80,10 @@ class TrainConfig:
     progress_bar: bool = True
     # Log the final checkpoint as an MLflow artifact (off for models too large to copy).
     log_checkpoint: bool = True
+    cast_once: bool = True
+    bucket_rows: tuple[int, ...] = ()
+    cuda_graphs: bool = False
+    graph_warmup: int = 2
 
 
 @dataclass

@@ -14,6 +14,7 @@ from foundation.data.batch import BatchPosition, JaggedBatch
 from foundation.data.io import list_shards, open_shard
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader, caches_split, count_rows
 from foundation.data.schema import EventSchema
+from foundation.model.padding import PaddedBatches, StaticShapes
 
 
 def estimate_batches(cfg: DataConfig, split: str, world_size: int) -> int:
@@ -81,7 +82,14 @@ class EventDataModule(L.LightningDataModule):
         # all ran (one past ``self.epoch`` for a checkpoint written at an epoch's end).
         trainer = self.trainer
         self.start_epoch(trainer.fit_loop.epoch_progress.current.processed if trainer is not None else self.epoch)
-        return build_dataloader(self.train_stream, self.cfg)
+        shapes = self.train_shapes()
+        return build_dataloader(PaddedBatches(self.train_stream, shapes) if shapes else self.train_stream, self.cfg)
+
+    def train_shapes(self) -> StaticShapes | None:
+        """The static shapes the training module's step wants its batches padded to (``train_shapes``), if any:
+        they are padded in the DataLoader's workers."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return getattr(module, "train_shapes", None)
 
     def val_dataloader(self):
         return build_dataloader(self._stream(self.cfg.eval_split, training=False), self.cfg)

@@ -233,7 +233,8 @@ def _default() -> ExperimentConfig:
 
 
 def _teacher(
-    name: str, teacher: str, data_path: str, *, batch_size: int, token_budget: int, shuffle_window: int = 1, **train
+    name: str, teacher: str, data_path: str, *, batch_size: int, token_budget: int, shuffle_window: int = 1,
+    num_workers: int = 0, pin_memory: bool = False, **train
 ) -> ExperimentConfig:
     """A GEM-teacher experiment; the data's ``max_len`` follows the teacher's, which fixes HSTU's 1/N."""
     cfg = teacher_flavor(teacher)
@@ -245,6 +246,8 @@ def _teacher(
             batch_size=batch_size,
             token_budget=token_budget,
             shuffle_window=shuffle_window,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
         ),
         model=ModelConfig(arch="teacher", teacher=cfg),
         train=TrainConfig(**{"max_epochs": 1, "lr": 1e-3, "checkpoint_every_n_steps": 200, **train}),
@@ -340,8 +343,13 @@ FLAVORS: dict[str, Callable[[], ExperimentConfig]] = {
     "teacher-small": lambda: _teacher(
         "teacher-small", "small", "data/synth-default", batch_size=256, token_budget=65536, max_epochs=2
     ),
+    # One GPU, the step as experiments.bench_teacher measured it fastest (docs/benchmarks.md, "Issue 15, the
+    # host"): batches read and padded in 4 workers into pinned memory, parameters cast once per step, padded
+    # batches on static buffers with the dense step replayed from CUDA graphs. The bench's buckets were
+    # (64,72) at 512 events and (64,128) at 4,096; the larger ones take the rarer batches of many short rows.
     "teacher-large": lambda: _teacher(
-        "teacher-large", "large", "data/synth-large", batch_size=512, token_budget=16384, precision="bf16-mixed"
+        "teacher-large", "large", "data/synth-large", batch_size=512, token_budget=16384, num_workers=4,
+        pin_memory=True, precision="bf16-mixed", bucket_rows=(64, 128, 256, 512), cuda_graphs=True,
     ),
     # ML-1M: every epoch one permutation of all users (shuffle_window=0), as the reference's sampler.
     "ml1m_hstu": lambda: _teacher("ml1m_hstu", "ml1m_hstu", "data/ml1m", **_ML1M_TRAIN),

@@ -19,12 +19,16 @@ from torch import nn
 
 from foundation.data.batch import JaggedBatch
 from foundation.model.flops import peak_flops, throughput_metrics
+from foundation.model.padding import PaddedBatch
 from foundation.model.precision import CastOnce
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` to ``dtype`` on ``device``'s type, or nothing when ``dtype`` is None."""
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+def autocast(device: torch.device, dtype: torch.dtype | None, *, cache: bool = True) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type (``cache``: autocast's cache of cast parameters), or
+    nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
 
 
 def train_step(
@@ -94,7 +98,8 @@ class Throughput:
         self.started = time.perf_counter()
 
     def count(self, batch: JaggedBatch) -> None:
-        self.tokens += batch.num_tokens
+        """Add a batch's history tokens (a padded batch's real ones) and FLOPs."""
+        self.tokens += batch.real_tokens if isinstance(batch, PaddedBatch) else batch.num_tokens
         if self.counts_flops:
             self.flops += self.model.flops(batch, training=True)
 
@@ -182,10 +187,12 @@ class StaticStep:
     ``model.loss(batch, model(batch, lookups))`` and its backward into the dense parameters and the lookups,
     runs on one set of static buffers per bucket (batch shapes): eagerly for ``warmup_steps``, then, with
     ``config.cuda_graphs``, captured once and replayed. The lookups' gradients then flow into the tables
-    eagerly, the dense gradients are handed to ``optimizer``, which steps. If a capture fails, one line goes
-    to ``log`` and every later step runs eagerly. A call returns the loss (a device scalar). The random
-    numbers are drawn in the eager step's order (negatives in the lookups, then dropout), so without a graph
-    it trains exactly as :func:`train_step` on the same batches.
+    eagerly, the dense gradients are handed to ``optimizer``, which steps after the gradients are clipped to
+    norm ``grad_clip`` when it is positive (``clip(grad_clip)``, default: over the model's parameters), as in
+    :func:`train_step`. If a capture fails, one line goes to ``log`` and every later step runs eagerly. A call
+    returns ``model.loss``'s terms (device scalars; ``"loss"`` is the total). The random numbers are drawn in
+    the eager step's order (negatives in the lookups, then dropout), so without a graph it trains exactly as
+    :func:`train_step` on the same batches.
     """
 
     def __init__(
@@ -196,9 +203,12 @@ class StaticStep:
         autocast_dtype: torch.dtype | None,
         config: GraphConfig,
         log: Callable[[str], None] = print,
+        grad_clip: float = 0.0,
+        clip: Callable[[float], object] | None = None,
     ) -> None:
         self.model, self.optimizer, self.autocast_dtype = model, optimizer, autocast_dtype
         self.config, self.log = config, log
+        self.grad_clip, self.clip = grad_clip, clip
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.slots: dict[tuple, _Slot] = {}
@@ -213,7 +223,7 @@ class StaticStep:
         """Buckets replaying a captured graph."""
         return sum(slot.graph is not None for slot in self.slots.values())
 
-    def __call__(self, batch: JaggedBatch) -> torch.Tensor:
+    def __call__(self, batch: JaggedBatch) -> dict[str, torch.Tensor]:
         slot = self.slot_for(batch)
         _copy_tensors(slot.batch, batch)
         slot.batch.sparse = batch.sparse.to(self.device, non_blocking=True)
@@ -225,7 +235,7 @@ class StaticStep:
         with torch.no_grad():
             for leaf, value in zip(slot.leaves, produced, strict=True):
                 leaf.copy_(value)
-        loss, grads = self.run_dense(slot)
+        losses, grads = self.run_dense(slot)
         self.optimizer.zero_grad(set_to_none=True)
         differentiable = [t for t in produced if t.requires_grad]
         pairs = [(t, g) for t, g in zip(differentiable, grads[len(self.params):], strict=True) if g is not None]
@@ -234,9 +244,14 @@ class StaticStep:
         for p, g in zip(self.params, grads, strict=False):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
+        if self.grad_clip > 0:
+            if self.clip is None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            else:
+                self.clip(self.grad_clip)
         self.optimizer.step()
         slot.steps += 1
-        return loss.clone()
+        return {name: value.clone() for name, value in losses.items()}  # a replay overwrites the outputs
 
     def slot_for(self, batch: JaggedBatch) -> _Slot:
         """The bucket's slot, with static copies of the batch's tensors on the device (made on first use)."""
@@ -245,7 +260,7 @@ class StaticStep:
             self.slots[key] = _Slot(_static_copy(batch, self.device))
         return self.slots[key]
 
-    def run_dense(self, slot: _Slot) -> tuple[torch.Tensor, tuple]:
+    def run_dense(self, slot: _Slot) -> tuple[dict[str, torch.Tensor], tuple]:
         """The dense forward and backward on the slot's buffers: replayed, captured then replayed, or eager."""
         if slot.graph is not None:
             slot.graph.replay()
@@ -284,13 +299,17 @@ class StaticStep:
             outputs = self.dense(slot)
         slot.graph, slot.outputs = graph, outputs
 
-    def dense(self, slot: _Slot) -> tuple[torch.Tensor, tuple]:
-        """``(loss, gradients of the parameters then of the lookup leaves)``; None where unused."""
-        with autocast(self.device, self.autocast_dtype):
-            loss = self.model.loss(slot.batch, self.model(slot.batch, slot.lookups))["loss"]
+    def dense(self, slot: _Slot) -> tuple[dict[str, torch.Tensor], tuple]:
+        """``(loss terms, gradients of the parameters then of the lookup leaves)``; None where unused.
+
+        Autocast's cache is off: under an enclosing autocast (a Lightning step's) a cast cached before a capture
+        would be read by the graph after its memory is freed.
+        """
+        with autocast(self.device, self.autocast_dtype, cache=False):
+            losses = self.model.loss(slot.batch, self.model(slot.batch, slot.lookups))
         leaves = [leaf for leaf in slot.leaves if leaf.requires_grad]
-        grads = torch.autograd.grad(loss, [*self.params, *leaves], allow_unused=True)
-        return loss.detach(), grads
+        grads = torch.autograd.grad(losses["loss"], [*self.params, *leaves], allow_unused=True)
+        return {name: value.detach() for name, value in losses.items()}, grads
 
 
 def _batch_tensors(batch: JaggedBatch) -> list[torch.Tensor]:

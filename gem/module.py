@@ -2,7 +2,9 @@
 
 Its training step is :func:`gem.loop.train_step` (the step the plain GPU loop runs too), with Lightning's
 backward (precision plugin) and gradient clipping (the strategy's, for sharded gradients); Lightning
-keeps the loop, checkpoints, logging and resume.
+keeps the loop, checkpoints, logging and resume. The teacher's faster forms of the step are config
+switches (:mod:`gem.step_options`): parameters cast once per step under bf16, and padded batches through
+:class:`gem.loop.StaticStep`, its dense part replayed from CUDA graphs.
 
 Students learn from a teacher through ``cfg.transfer``: the module reads each split's teacher outputs
 once, verified, and passes a model whose ``forward`` takes ``teacher=`` the batch's rows
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,13 @@ from foundation.data.pipeline import valid_item_mask
 from foundation.data.schema import EventSchema
 from foundation.metrics import PredictionLog, RankingMetrics
 from foundation.model.outputs import ModelOutput
+from foundation.model.padding import PaddedBatch, StaticShapes
+from foundation.model.precision import CastOnce
 from gem.config import experiment_from_dict
 from gem.errors import ModelRoleError, ResumeError
-from gem.loop import Throughput, train_step
+from gem.loop import StaticStep, Throughput, train_step
 from gem.registry import ITEM_TABLES, TEACHER_ARCHS, build_model
+from gem.step_options import step_options
 from transfer.sharing import (
     SharingResult,
     build_param_groups,
@@ -40,6 +46,8 @@ from transfer.sharing import (
     sharing_config,
 )
 from transfer.teacher_outputs import TeacherOutputs, read_teacher_outputs
+
+_log = logging.getLogger(__name__)
 
 
 class RecModule(L.LightningModule):
@@ -71,6 +79,10 @@ class RecModule(L.LightningModule):
                 f"transfer.teacher_outputs is set, but model.arch={self.cfg.model.arch!r} takes no teacher outputs"
             )
         self._teacher_outputs: dict[str, TeacherOutputs] = {}
+        self.step_options, self.step_notes = step_options(self.cfg, has_lookups=hasattr(self.model, "look_up"))
+        # Made at the first training step that uses them (they need the optimizer, or watch a step).
+        self.cast_once: CastOnce | None = None
+        self.static_step: StaticStep | None = None
         # The last step's losses (detached, read only when logged) and the last validation's metrics, which
         # gem.callbacks.RecordAndCheckpoint logs to MLflow.
         self.step_losses: dict[str, torch.Tensor] = {}
@@ -133,6 +145,14 @@ class RecModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self.schema.task == "next_item":
             self.valid_items = valid_item_mask(self.cfg.data.path, self.schema.num_items)
+        if stage == "fit":
+            for note in self.step_notes:
+                _log.warning(note)
+
+    @property
+    def train_shapes(self) -> StaticShapes | None:
+        """The static shapes the data module pads training batches to (``train.bucket_rows``), or None."""
+        return self.step_options.shapes
 
     def count_batch(self, batch: JaggedBatch) -> None:
         """Count a training batch's tokens and FLOPs on its host copy (the data module calls this before the
@@ -146,20 +166,25 @@ class RecModule(L.LightningModule):
         self.throughput.start_clock()
 
     def training_step(self, batch: JaggedBatch, batch_idx: int) -> torch.Tensor:
-        """:func:`gem.loop.train_step`; the loss is weighted by the strategy's share of a global batch
-        (``loss_weight``, 1 on one device). Returns the weighted loss, detached."""
+        """One optimiser step: a padded batch (``train.bucket_rows``) through :class:`gem.loop.StaticStep`, any
+        other through :func:`gem.loop.train_step`, whose loss is weighted by the strategy's share of a global
+        batch (``loss_weight``, 1 on one device; the static step runs on one device only). Returns the
+        weighted loss, detached."""
         optimizer = self.optimizers()
         weight = getattr(self.trainer.strategy, "loss_weight", 1.0)
-        losses = train_step(
-            self.model,
-            batch,
-            optimizer,
-            grad_clip=self.cfg.train.grad_clip,
-            loss_weight=weight,
-            forward=lambda b: self.forward_batch(b, self.cfg.data.train_split),
-            backward=self.manual_backward,
-            clip=lambda max_norm: self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm"),
-        )
+        if isinstance(batch, PaddedBatch) and self.step_options.shapes is not None:
+            losses = self.build_static_step(optimizer)(batch)
+        else:
+            losses = train_step(
+                self.model,
+                batch,
+                optimizer,
+                grad_clip=self.cfg.train.grad_clip,
+                loss_weight=weight,
+                backward=self.manual_backward,
+                clip=self.clip_norm,
+                **self.model_forward(),
+            )
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and batch.position is not None:
             datamodule.record(batch.position)
@@ -167,6 +192,43 @@ class RecModule(L.LightningModule):
         # tensor waits for the device, so no step reads its own loss.
         self.step_losses = {name: value.detach() for name, value in losses.items()}
         return losses["loss"].detach() * weight
+
+    def model_forward(self) -> dict[str, Any]:
+        """How :func:`gem.loop.train_step` runs the model: with ``train.cast_once`` (under bf16 autocast) and the
+        model's own forward, through a :class:`CastOnce` kept across steps; else :meth:`forward_batch`."""
+        split = self.cfg.data.train_split
+        if not self.step_options.cast_once or self.teacher_outputs(split) is not None:
+            return {"forward": lambda b: self.forward_batch(b, split)}
+        if self.cast_once is None:
+            self.cast_once = CastOnce(self.model, self.step_options.autocast_dtype)
+        return {"cast_once": self.cast_once}
+
+    def build_static_step(self, optimizer) -> StaticStep:
+        """The :class:`StaticStep` of this run (made at its first padded batch), with Lightning's clipping."""
+        if self.static_step is None:
+            self.static_step = StaticStep(
+                self.model,
+                optimizer,
+                autocast_dtype=self.step_options.autocast_dtype,
+                config=self.step_options.graphs,
+                log=_log.warning,
+                grad_clip=self.cfg.train.grad_clip,
+                clip=self.clip_norm,
+            )
+        return self.static_step
+
+    def clip_norm(self, max_norm: float) -> None:
+        """Clip the gradients of the optimizer's parameters to total norm ``max_norm``.
+
+        With a gradient scaler (``16-mixed``) through Lightning's clipping; else as Lightning's clipping does it,
+        ``torch.nn.utils.clip_grad_norm_`` (a parallel strategy's DTensor gradients included), which Lightning
+        refuses to run for a fused optimizer under any mixed precision, bf16's too, which has no scaler.
+        """
+        optimizer = self.optimizers()
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+            return
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
 
     def step_metrics(self) -> dict[str, float]:
         """The last step's losses (``train/<name>``) and throughput since the clock started (``perf/<name>``)."""

@@ -40,7 +40,7 @@ def test_static_step_trains_as_the_plain_step(changes):
     model, optimizer = build(**changes)
     step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig())
     torch.manual_seed(9)
-    static = [step(b) for b in batches]
+    static = [step(b)["loss"] for b in batches]
     torch.testing.assert_close(torch.stack(static), torch.stack(plain), rtol=1e-6, atol=1e-7)
     for name, value in model.state_dict().items():  # dense parameters and the tables alike
         torch.testing.assert_close(value, plain_state[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
@@ -68,6 +68,6 @@ def test_cuda_graphs_on_a_cpu_model_say_so_once_and_run_eagerly():
     lines = []
     model, optimizer = build()
     step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig(cuda_graphs=True, warmup_steps=0), log=lines.append)
-    losses = [step(b) for b in padded_batches(3)]
+    losses = [step(b)["loss"] for b in padded_batches(3)]
     assert lines == ["cuda graphs off: the model is on cpu; eager steps"]
     assert step.graphs == 0 and all(torch.isfinite(loss) for loss in losses)

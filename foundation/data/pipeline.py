@@ -13,7 +13,7 @@ was consumed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -354,14 +354,20 @@ class EventStream(IterableDataset):
                 yield build_batch(packer.flush(), self.schema, self.cfg.max_len, BatchPosition(self.epoch, stream, index))
 
 
-def build_dataloader(stream: EventStream, cfg: DataConfig) -> DataLoader:
-    """A ``DataLoader`` over an :class:`EventStream` (batches are already collated by the stream)."""
+def build_dataloader(stream: Iterable[JaggedBatch], cfg: DataConfig) -> DataLoader:
+    """A ``DataLoader`` over an :class:`EventStream` (batches are already collated by the stream).
+
+    Its workers' base seed comes from a generator of its own (the stream shuffles with its own seeds): drawn
+    from torch's global one, each new iterator would shift the random numbers a training step draws, and a
+    run resumed from a checkpoint (which restores that generator) would make its iterator after the restore.
+    """
     return DataLoader(
         stream,
         batch_size=None,
         num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and torch.cuda.is_available(),
         persistent_workers=False,
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
 
 

@@ -24,9 +24,11 @@ numbers per token, so a padded batch draws other numbers than the unpadded one (
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from foundation.data.batch import JaggedBatch
@@ -129,6 +131,19 @@ def pad_batch(batch: JaggedBatch, shapes: StaticShapes) -> PaddedBatch | None:
         real_rows=b,
         real_tokens=num_tokens,
     )
+
+
+class PaddedBatches(IterableDataset):
+    """A stream's batches padded to ``shapes`` (:func:`pad_batch`), for a ``DataLoader`` to pad in its workers
+    (and pin as usual); a batch no bucket holds passes unpadded. The stream keeps its other roles (epoch,
+    resume position): a padded batch carries its batch's ``position``."""
+
+    def __init__(self, stream: Iterable[JaggedBatch], shapes: StaticShapes) -> None:
+        self.stream, self.shapes = stream, shapes
+
+    def __iter__(self) -> Iterator[JaggedBatch]:
+        for batch in self.stream:
+            yield pad_batch(batch, self.shapes) or batch
 
 
 def _pad(t: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
