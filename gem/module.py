@@ -1,7 +1,7 @@
 """``RecModule``: the LightningModule that trains, validates and reloads any registered model.
 
 Its training step is :func:`gem.loop.train_step` (the step the plain GPU loop runs too), with Lightning's
-backward (precision plugin) and gradient clipping (the strategy's, for sharded gradients); Lightning
+backward (precision plugin) and its gradient clipping (:meth:`RecModule.clip_norm`); Lightning
 keeps the loop, checkpoints, logging and resume. The teacher's faster forms of the step are config
 switches (:mod:`gem.step_options`): parameters cast once per step under bf16, and padded batches through
 :class:`gem.loop.StaticStep`, its dense part replayed from CUDA graphs.
@@ -204,7 +204,7 @@ class RecModule(L.LightningModule):
         return {"cast_once": self.cast_once}
 
     def build_static_step(self, optimizer) -> StaticStep:
-        """The :class:`StaticStep` of this run (made at its first padded batch), with Lightning's clipping."""
+        """The :class:`StaticStep` of this run (made at its first padded batch), clipping with :meth:`clip_norm`."""
         if self.static_step is None:
             self.static_step = StaticStep(
                 self.model,
@@ -218,17 +218,17 @@ class RecModule(L.LightningModule):
         return self.static_step
 
     def clip_norm(self, max_norm: float) -> None:
-        """Clip the gradients of the optimizer's parameters to total norm ``max_norm``.
+        """Clip the gradients of the optimizer's parameters to total norm ``max_norm``, by the precision plugin's
+        ``clip_grad_by_norm`` (which a parallel strategy replaces for gradients on several meshes).
 
-        With a gradient scaler (``16-mixed``) through Lightning's clipping; else as Lightning's clipping does it,
-        ``torch.nn.utils.clip_grad_norm_`` (a parallel strategy's DTensor gradients included), which Lightning
-        refuses to run for a fused optimizer under any mixed precision, bf16's too, which has no scaler.
+        Lightning's ``clip_gradients``, which calls it, runs only with a gradient scaler (``16-mixed``): under
+        any mixed precision it refuses a fused optimizer, whose own unscaling only a scaler's gradients need.
         """
-        optimizer = self.optimizers()
-        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+        optimizer, plugin = self.optimizers(), self.trainer.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:
             self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-            return
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
+        else:
+            plugin.clip_grad_by_norm(optimizer, max_norm)
 
     def step_metrics(self) -> dict[str, float]:
         """The last step's losses (``train/<name>``) and throughput since the clock started (``perf/<name>``)."""
