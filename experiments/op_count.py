@@ -56,6 +56,8 @@ _FILL = {
 # The attention dispatchers check offset values on CPU tensors only (kernels/checks.py): no CUDA step runs these.
 CPU_ONLY_FILES = ("kernels/checks.py",)
 REPOSITORY = str(Path(__file__).resolve().parents[1])
+# A virtual environment may live inside the checkout (CI's does): its packages are not this repository's code.
+INSTALLED = ("site-packages", "dist-packages")
 # On a CUDA tensor these read a device value on the host (or size an output by one).
 _SYNC = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "allclose", "unique", "_unique2", "unique_consecutive", "tolist"}
 
@@ -118,7 +120,7 @@ def caller_in_project() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(REPOSITORY) and filename != __file__:
+        if filename.startswith(REPOSITORY) and filename != __file__ and not any(p in filename for p in INSTALLED):
             return f"{filename[len(REPOSITORY) + 1:]}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"

@@ -20,7 +20,7 @@ from gem.datamodule import EventDataModule
 from gem.flavors import get_flavor
 from gem.loop import train_step
 from gem.module import RecModule, fuses_adamw
-from gem.tracking import MetricRecorder
+from gem.tracking import MetricRecorder, ensure_experiment
 from gem.train import build_trainer, train
 from tests.events import write_dataset
 
@@ -168,7 +168,8 @@ def test_no_step_reads_a_tensor_between_logs_and_refreshes(dataset, tmp_path):
     assert bare == 0, "the DLRM's own step reads no tensor: any read below is the harness's"
 
     mlflow.set_tracking_uri(cfg.train.tracking_uri)
-    with mlflow.start_run() as run:
+    # Named, not the active one: an earlier test's experiment id stays active in mlflow's module state.
+    with mlflow.start_run(experiment_id=ensure_experiment("host")) as run:
         trainer = build_trainer(cfg, None, MetricRecorder(run.info.run_id, resumed=False))
         steps = ReadsPerStep()
         trainer.callbacks.append(steps)
