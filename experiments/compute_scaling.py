@@ -120,13 +120,9 @@ class CostModel:
 # 28.2 ms for 82k tokens (~27 GFLOP: launch-bound); float32/TF32 matmuls of these models taken at 30 TFLOP/s; the
 # DLRM's step a few dozen small kernels (10 ms). Five runs at once gave 1.25x the throughput of one (session 4).
 FIRST_SWEEP_COST = CostModel(overhead_s=(("teacher", 0.028), ("dlrm", 0.010)), effective_flops=30e12, overlap=1.25)
-# The second sweep's model (bf16, 512-row steps, 2 loader processes per run), from the first sweep's records
-# (docs/benchmarks.md, "Compute scaling"): its two `w256-l4` runs and one `w128-l3` run shared the GPU at 6.5 +
-# 6.5 + 2.0 = 15 TFLOP/s in float32/TF32 (the other runs were loader-bound), taken as what the GPU gives these
-# shapes; bf16 halves the bytes and doubles the matmul peak, taken as 1.7x: 25 TFLOP/s. Host time per step: the
-# 28.2 ms step plus the casts of autocast, 40 ms; the DLRM 15 ms. The loader (in the main process then) read
-# ~3k rows/s per run; one loader process on this CPU reads 5.5k rows/s of 1,024-event rows (this machine,
-# niced): 5k rows/s per loader process. Six runs at once overlap their host and loader time six ways.
+# The second sweep's model (bf16, 512-row steps, 2 loader processes per run): the GPU rate from what the first
+# sweep's GPU-bound runs got together, scaled for bf16; the host time of a step and the loader's rows/s per process
+# as measured. The derivation is in docs/benchmarks.md ("Second sweep", "Time estimate").
 SECOND_SWEEP_COST = CostModel(
     overhead_s=(("teacher", 0.040), ("dlrm", 0.015)), effective_flops=25e12, overlap=6.0, loader_rows_per_s=5000.0,
     loaders=2,

@@ -152,20 +152,20 @@ def summarize_spans(curve: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.time_budget < 0 or args.curve_points < 1:
+        raise ValueError(f"--time-budget {args.time_budget:g} must be >= 0 and --curve-points {args.curve_points} >= 1")
     cfg = apply_overrides(
         get_flavor(args.flavor), [*args.overrides, f"data.path={args.data}", f"train.seed={args.seed}"]
     )
+    peak = args.lr if args.lr is not None else cfg.train.lr
+    schedule = WarmupCosine(peak, args.steps, args.warmup_steps, args.final_lr_frac)
     schema = EventSchema.load(cfg.data.path)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.train.seed)
     torch.set_float32_matmul_precision("high")
     model = build_model(cfg.model, schema).to(device)
-    if args.time_budget < 0:
-        raise ValueError(f"--time-budget {args.time_budget:g}: must be 0 (none) or positive")
-    peak = args.lr if args.lr is not None else cfg.train.lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=cfg.train.weight_decay)
     dtype = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
-    schedule = WarmupCosine(peak, args.steps, args.warmup_steps, args.final_lr_frac)
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
     start = time.perf_counter()
     scheduled = ScheduledLR(optimizer, schedule, start + args.time_budget if args.time_budget > 0 else None)

@@ -13,6 +13,7 @@ import torch
 from experiments.scaling_run import ScheduledLR, WarmupCosine, main
 from foundation.data.synthetic import generate_world
 from gem.flavors import synth_preset
+from tests.test_layers import HEAVY, loaded_packages
 
 
 def test_warmup_is_linear_then_the_cosine_ends_at_the_floor():
@@ -125,3 +126,16 @@ def test_a_run_that_trains_no_step_is_a_one_line_error(world, tmp_path, capsys):
     rc, out = _run(world, tmp_path, "--steps", "5", "--time-budget", "1e-9")
     assert rc == 2 and not out.exists()
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("scaling_run: no step trained within")
+
+
+def test_the_runner_imports_nothing_the_gpu_machine_lacks():
+    """The GPU machine has no MLflow, Lightning or matplotlib: the runner the sweep starts there loads none."""
+    assert not loaded_packages("experiments.scaling_run", "experiments.compute_scaling") & {*HEAVY, "matplotlib"}
+
+
+@pytest.mark.parametrize("extra", [["--steps", "5", "--time-budget", "-1"], ["--steps", "5", "--curve-points", "0"],
+                                   ["--steps", "0"], ["--steps", "5", "--warmup-steps", "5"]])
+def test_bad_arguments_are_one_line_errors(world, tmp_path, capsys, extra):
+    rc, out = _run(world, tmp_path, *extra)
+    assert rc == 2 and not out.exists()
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("scaling_run: ")
