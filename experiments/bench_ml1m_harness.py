@@ -3,24 +3,27 @@ loop of :mod:`experiments.ml1m_hstu` on the same model and data.
 
     python -m experiments.bench_ml1m_harness --data data/ml1m --epochs 3 --runs 3 --json runs/harness.json
     python -m experiments.bench_ml1m_harness --data data/ml1m data.max_len=16 model.teacher.max_len=16   # short steps
+    python -m experiments.bench_ml1m_harness --data data/ml1m --side harness train.check_val_every_n_epoch=1
 
 Both sides train the flavor's model (``--flavor`` and ``section.field=value`` overrides, applied to both) for
-``--epochs`` epochs, ``--runs`` times each, in this process:
+``--epochs`` epochs, ``--runs`` times each (``--side`` one of them), in this process:
 
 - ``harness``: :class:`gem.datamodule.EventDataModule`, :class:`gem.module.RecModule` and the Trainer of
-  :func:`gem.train.build_trainer` (its checkpoints, cadences and callbacks; no MLflow: its metrics are
-  logged every ``log_every_n_steps`` steps, a few milliseconds each);
+  :func:`gem.train.build_trainer`, with its checkpoints, cadences and callbacks, but no MLflow run (``gem
+  train`` adds one MLflow write every ``log_every_n_steps`` steps and after each validation);
 - ``loop``: the script's loop: the train split read in this process with its row groups cached, fused
-  AdamW, :func:`gem.loop.train_step`, validation with the script's ``evaluate`` every ``--eval-every``
-  epochs and at the last.
+  AdamW with the script's betas and no gradient clipping, :func:`gem.loop.train_step`, validation (the
+  valid split only) with the script's ``evaluate`` every ``--eval-every`` epochs and at the last.
 
-Per epoch it records the wall time, the steps (``steps_s``: batch start to batch end, with the harness's
-per-step logging and step-cadence checkpoints), what lies between steps (``between_s``: reading, collating
-and moving the batch, the loop's own code), and the validation passes (``val_s``, with the harness's
-checkpoint after each). The summary gives medians over runs of the epochs after the first (which reads the
-data for the first time): seconds per epoch as measured, the training part of an epoch (wall less
-validation), seconds per validation pass, and the flavor's ``max_epochs`` projected from them at each
-side's validation cadence. Figures go to docs/benchmarks.md ("HSTU on MovieLens-1M").
+Per epoch it records the wall time and the process's CPU time, the steps (``steps_s``: batch start to batch
+end, with the harness's per-step logging and step-cadence checkpoints), what lies between steps
+(``between_s``: reading, collating and moving the batch, the loop's own code), and the validation passes
+(``val_s``, with the harness's checkpoint after each). On a GPU every epoch and validation boundary waits for
+the device. The summary gives medians over runs of the epochs after the first (which reads the data for the
+first time and, on a GPU, compiles and tunes the kernels): seconds per epoch, the training part of an epoch
+(less validation), seconds per validation pass, wall and CPU, and the flavor's ``max_epochs`` projected from
+them at each side's validation cadence. On a shared CPU the CPU seconds are the figure to compare: other
+jobs stretch wall time. Figures go to docs/benchmarks.md ("HSTU on MovieLens-1M").
 """
 
 from __future__ import annotations

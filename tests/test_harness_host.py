@@ -8,13 +8,16 @@ from collections import Counter
 
 import lightning as L
 import mlflow
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import foundation.data.pipeline as pipeline
+from experiments import bench_ml1m_harness
 from foundation.checkpoint import load_checkpoint_file
 from foundation.config import ConfigError, apply_overrides
+from foundation.data.converters import convert
 from foundation.data.pipeline import DataConfig, EventStream, RowBlock, caches_split, decoded_bytes
 from gem.datamodule import EventDataModule
 from gem.flavors import get_flavor
@@ -220,3 +223,33 @@ def test_resume_with_a_validation_cadence_and_a_cached_split_is_exact(dataset, t
         assert torch.equal(tensor, b["state_dict"][name]), name
     for key in ("val/click/ne", "val/loss"):
         assert whole["metrics"][key] == resumed["metrics"][key], key
+
+
+@pytest.fixture(scope="module")
+def sequences(tmp_path_factory):
+    """A small next-item dataset: 200 users walking a ring of 40 items."""
+    root = tmp_path_factory.mktemp("seq")
+    rng = np.random.default_rng(0)
+    lines = []
+    for user in range(200):
+        walk = (int(rng.integers(1, 41)) + np.cumsum(rng.integers(1, 3, int(rng.integers(6, 14))))) % 40 + 1
+        lines.append(f"{user}\t{' '.join(map(str, walk))}")
+    (root / "seq.tsv").write_text("\n".join(lines) + "\n")
+    convert("seq-tsv", root / "seq.tsv", root / "data")
+    return root / "data"
+
+
+def test_the_harness_benchmark_times_each_side_epoch_by_epoch(sequences, tmp_path):
+    """``experiments.bench_ml1m_harness`` as the GPU call runs it, at a tiny size (its figures are not checked)."""
+    out = tmp_path / "bench.json"
+    tiny = ["data.max_len=16", "model.teacher.max_len=16", "model.teacher.num_negatives=8", "data.batch_size=64"]
+    assert bench_ml1m_harness.main(["--data", str(sequences), "--epochs", "2", "--runs", "2", "--json", str(out), *tiny]) == 0
+    report = json.loads(out.read_text())
+    for side in ("harness", "loop"):
+        runs = report["runs"][side]
+        assert len(runs) == 2 and all(len(epochs) == 2 for epochs in runs)
+        # 200 users in batches of 64; validation only after the last epoch (cadence 10).
+        assert all([e["steps"] for e in epochs] == [4, 4] for epochs in runs)
+        assert all([e["val_passes"] for e in epochs] == [0, 1] for epochs in runs)
+        summary = report["summary"][side]
+        assert summary["val_every"] == 10 and summary["projected_cpu_s"] > 0
