@@ -17,18 +17,27 @@ Differences from a CUDA step worth knowing when reading CPU counts: CPU autocast
 operator list than CUDA's (e.g. CUDA also runs ``sum``/``exp``/``softmax`` in float32), and an operator that
 syncs the host with the device on CUDA (``_local_scalar_dense``, ``nonzero``, ...) is listed as kind
 ``sync`` here: each one would stall a GPU step and break a CUDA graph capture.
+
+Bytes (``bytes_by_site``, ``triton_bytes``): a model of the memory traffic of every launching operator and Triton
+launch, counted on the tensors it is handed: each distinct input and output once (an expanded or strided view
+counts the storage it spans, at most its elements), an indexing operator twice its output (it reads the rows it
+gathers, not the table). Run at the GPU's widths (not ``--cpu-widths``), it ranks the step's memory-bound
+passes by what they move; tokens scale every ``[T, d]`` figure linearly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 PHASES = ("forward", "backward", "optimizer")
 KINDS = (
@@ -88,6 +97,34 @@ def op_kind(func) -> str:
     return "elementwise"
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches reading or writing all of ``t``: its elements, or the storage a broadcast view spans."""
+    elements = t.numel() * t.element_size()
+    if not elements:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return min(elements, span * t.element_size())
+
+
+def traffic_bytes(kind: str, inputs, outputs) -> int:
+    """Modelled bytes an operator moves (module doc): distinct tensors among ``inputs`` and ``outputs``."""
+    outs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+    if kind == "index":
+        return 2 * sum(tensor_bytes(t) for t in outs)
+    seen, total = set(), 0
+    for t in [*tree_leaves(inputs), *outs]:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += tensor_bytes(t)
+    return total
+
+
+def _kernel_args_bytes(args, kwargs) -> int:
+    return traffic_bytes("elementwise", (args, kwargs), ())
+
+
 class OpCounter(TorchDispatchMode):
     """Counts ``(phase, operator)`` for every ATen call while active; ``phase`` is set by :meth:`in_phase`.
 
@@ -101,9 +138,11 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter[tuple[str, str]] = Counter()
         self.kinds: Counter[tuple[str, str]] = Counter()
         self.sites: Counter[tuple[str, str]] = Counter()
+        self.site_bytes: Counter[tuple[str, str]] = Counter()
         self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not self.paused:
             name, site = func.overloadpacket.__name__, caller_in_project()
             kind = "cpu_check" if site.startswith(CPU_ONLY_FILES) else op_kind(func)
@@ -111,7 +150,8 @@ class OpCounter(TorchDispatchMode):
             self.kinds[self.phase, kind] += 1
             if kind not in NO_KERNEL:
                 self.sites[self.phase, f"{name} at {site}"] += 1
-        return func(*args, **(kwargs or {}))
+                self.site_bytes[self.phase, f"{kind} {name} at {site}"] += traffic_bytes(kind, (args, kwargs), out)
+        return out
 
 
 def caller_in_project() -> str:
@@ -137,6 +177,7 @@ class LaunchTimer:
         self.interpret = interpret
         self.phase = "forward"
         self.launches: Counter[tuple[str, str]] = Counter()
+        self.bytes: Counter[tuple[str, str]] = Counter()
         self.seconds: Counter[str] = Counter()
         self.counter: OpCounter | None = None
 
@@ -153,6 +194,7 @@ class LaunchTimer:
                 if kwargs.get("warmup"):
                     return run(kernel, *args, **kwargs)
                 timer.launches[timer.phase, kernel.__name__] += 1
+                timer.bytes[timer.phase, kernel.__name__] += _kernel_args_bytes(args, kwargs)
                 if interpreted and not timer.interpret:
                     return None
                 if timer.counter is not None:
@@ -212,17 +254,18 @@ def count_steps(run_step: Callable, batches, steps: int, *, interpret: bool = Fa
     with timer.installed():
         _run(run_step, PhaseClock(timer), batches, 1)
         timer.launches.clear()
+        timer.bytes.clear()
         timer.counter = counter
         with counter:
             counted = _run(run_step, PhaseClock(timer, counter), batches, steps)
         timer.counter = None
-        launches = Counter(timer.launches)
+        launches, launch_bytes = Counter(timer.launches), Counter(timer.bytes)
         timer.seconds.clear()
         clock = PhaseClock(timer)
         timed = _run(run_step, clock, batches, steps)
     if not counted or not timed:
         raise ValueError(f"--count-ops needs {2 * steps + 1} batches after the timed steps; the data ran out")
-    return summarize_counts(counter, launches, counted, clock.seconds, timer.seconds, timed)
+    return summarize_counts(counter, launches, counted, clock.seconds, timer.seconds, timed, launch_bytes)
 
 
 def _run(run_step, clock: PhaseClock, batches, steps: int) -> int:
@@ -235,8 +278,12 @@ def _run(run_step, clock: PhaseClock, batches, steps: int) -> int:
     return done
 
 
-def summarize_counts(counter: OpCounter, launches: Counter, counted: int, wall: Counter, inside: Counter, timed: int) -> dict:
+def summarize_counts(
+    counter: OpCounter, launches: Counter, counted: int, wall: Counter, inside: Counter, timed: int,
+    launch_bytes: Counter | None = None,
+) -> dict:
     """Per-step means of what :func:`count_steps` gathered, by phase."""
+    launch_bytes = launch_bytes or Counter()
     kinds = {p: {k: counter.kinds[p, k] / counted for k in KINDS if counter.kinds[p, k]} for p in PHASES}
     ops = {p: sum(kinds[p].values()) for p in PHASES}
     launching = {p: sum(n for k, n in kinds[p].items() if k not in NO_KERNEL) for p in PHASES}
@@ -251,6 +298,8 @@ def summarize_counts(counter: OpCounter, launches: Counter, counted: int, wall: 
     syncs = {site: n for p in PHASES for site, n in sites[p].items() if site.split(" at ")[0] in _SYNC}
     triton = {p: {k: n / counted for (q, k), n in sorted(launches.items()) if q == p} for p in PHASES}
     host_ms = {p: (wall[p] - inside[p]) / timed * 1e3 for p in PHASES}
+    site_bytes = {p: {s: n / counted for (q, s), n in counter.site_bytes.most_common() if q == p} for p in PHASES}
+    triton_bytes = {p: {k: n / counted for (q, k), n in launch_bytes.most_common() if q == p} for p in PHASES}
     return {
         "steps_counted": counted,
         "steps_timed": timed,
@@ -266,6 +315,9 @@ def summarize_counts(counter: OpCounter, launches: Counter, counted: int, wall: 
         "host_ms": host_ms,
         "host_ms_total": sum(host_ms.values()),
         "sync_sites": syncs,
+        "bytes_by_site": site_bytes,
+        "triton_bytes": triton_bytes,
+        "bytes_total": math.fsum(n for table in (*site_bytes.values(), *triton_bytes.values()) for n in table.values()),
     }
 
 
@@ -283,6 +335,8 @@ def format_counts(summary: dict) -> str:
     )
     for p in PHASES:
         lines.append(f"{p} by kind: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["kinds"][p].items()))
+    if "bytes_total" in summary:
+        lines.append(f"modelled bytes per step: {summary['bytes_total'] / 2**20:.1f} MiB")
     if summary["sync_sites"]:
         lines.append("would sync on CUDA: " + ", ".join(f"{s} x{n:.0f}" for s, n in summary["sync_sites"].items()))
     return "\n".join(lines)

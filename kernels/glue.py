@@ -1,4 +1,5 @@
-"""Dispatchers for the glue around the attention kernels: a fused LayerNorm and a per-row SiLU modulation.
+"""Dispatchers for the glue around the attention kernels: a fused LayerNorm, a per-row SiLU modulation and a split
+SiLU.
 
 Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
 PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU
@@ -9,6 +10,8 @@ loss comparison (``experiments/bench_teacher.py --glue-backend pytorch``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -113,3 +116,32 @@ def jagged_silu_modulate(
     else:
         from kernels.pytorch.row_modulate import jagged_silu_modulate as impl
     return impl(h, scale, shift, rows)
+
+
+def silu_split(h: torch.Tensor, widths: Sequence[int], *, backend: str = "auto") -> tuple[torch.Tensor, ...]:
+    """``silu(h)`` split along the last axis into parts of ``widths`` (the HSTU block's ``u, v, q, k``).
+
+    The Triton backward reads each part's gradient where its consumer left it and writes ``dh`` once, where
+    autograd's first concatenates the parts' gradients into a new ``[L, N]`` tensor.
+
+    Args:
+        h: ``[L, N]`` pre-activations (the projection's output).
+        widths: positive part widths summing to ``N``.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        ``len(widths)`` tensors ``[L, w_i]`` in h's dtype (column views of one ``[L, N]`` result).
+    """
+    _check_float("h", h, h.device)
+    if h.dim() != 2:
+        raise ValueError(f"h must be [L, N], got {tuple(h.shape)}")
+    widths = tuple(widths)
+    if not widths or any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in widths):
+        raise ValueError(f"widths must be positive ints, got {widths}")
+    if sum(widths) != h.shape[1]:
+        raise ValueError(f"widths {widths} sum to {sum(widths)}, not h's N={h.shape[1]}")
+    if _resolve(backend, h) == "triton":
+        from kernels.triton.silu_split import silu_split as impl
+    else:
+        from kernels.pytorch.silu_split import silu_split as impl
+    return impl(h, widths)

@@ -1,6 +1,6 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
-``U, V, Q, K = silu(W·LN(x))``; ``A = silu(alpha·QKᵀ + rel_bias)/N · V`` (causal, through
+``U, V, Q, K = silu(W·LN(x))`` (split with :func:`kernels.silu_split`); ``A = silu(alpha·QKᵀ + rel_bias)/N · V`` (causal, through
 :func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm one fused kernel
 (:func:`kernels.layer_norm`). The relative bias is a learned
 per-head table over position distance plus one over log time-difference buckets.
@@ -28,7 +28,7 @@ from torch import nn
 from foundation.model.norms import apply_layer_norm, build_layer_norm
 from foundation.model.profiling import ATTENTION, profile_region
 from foundation.model.teacher_config import BLOCK_INITS, REL_BIASES
-from kernels import jagged_attention
+from kernels import jagged_attention, silu_split
 
 # The reference HSTU draws its uvqk matrix and its relative-bias tables from N(0, 0.02).
 REFERENCE_INIT_STD = 0.02
@@ -78,9 +78,7 @@ class HSTUBlock(nn.Module):
     def split_uvqk(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``."""
         h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
-        u, v, q, k = torch.split(
-            nn.functional.silu(self.uvqk(apply_layer_norm(self.input_norm, x))), [h * dv, h * dv, h * dqk, h * dqk], -1
-        )
+        u, v, q, k = silu_split(self.uvqk(apply_layer_norm(self.input_norm, x)), [h * dv, h * dv, h * dqk, h * dqk])
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
     def forward(

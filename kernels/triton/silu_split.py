@@ -1,0 +1,91 @@
+"""Triton SiLU of a projection split into its parts, whose backward writes the input gradient once.
+
+The HSTU block applies SiLU to its ``[L, 4·H·D]`` ``uvqk`` projection and splits it into ``u, v, q, k``. Forward,
+eager PyTorch already does this in one pass (the parts are views). Backward, autograd first concatenates the four
+parts' gradients into a new ``[L, N]`` tensor (a read and a write of it), then SiLU's backward reads that and
+``h`` and writes ``dh``. Here each part's gradient is read where its consumer wrote it, with the matching columns
+of ``h``, and its columns of ``dh`` are written once: the concatenation's read and write are gone. A part with no
+gradient (unused) has its columns of ``dh`` zero-filled.
+
+Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# A 16 x 256 tile per program: wide rows in contiguous 512-byte (bf16) runs; fixed, so it compiles once.
+BLOCK_M = 16
+BLOCK_N = 256
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows (int64), columns and mask."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, (rows < M)[:, None] & (cols < N)[None, :]
+
+
+# The token count changes with every batch: specialising on its divisibility would compile twice.
+@triton.jit(do_not_specialize=["M"])
+def _silu_fwd_kernel(h_ptr, y_ptr, M, N, stride_h, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (h * tl.sigmoid(h)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _silu_bwd_kernel(
+    dy_ptr, h_ptr, dh_ptr, M, N, stride_dy, stride_h, stride_dh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(h)
+    dh = dy * sig * (1.0 + h * (1.0 - sig))
+    tl.store(dh_ptr + rows[:, None] * stride_dh + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(m: int, n: int) -> tuple[int, int]:
+    return triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)
+
+
+class _SiluSplitFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, widths):
+        h = h if h.stride(-1) == 1 else h.contiguous()
+        m, n = h.shape
+        y = torch.empty(m, n, device=h.device, dtype=h.dtype)
+        if m and n:
+            _silu_fwd_kernel[_grid(m, n)](h, y, m, n, h.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        ctx.save_for_backward(h)
+        ctx.widths = widths
+        ctx.set_materialize_grads(False)
+        return tuple(y.split(widths, -1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (h,) = ctx.saved_tensors
+        m = h.shape[0]
+        dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+        start = 0
+        for width, dy in zip(ctx.widths, grads, strict=True):
+            part = dh[:, start : start + width]
+            if dy is None:
+                part.zero_()
+            elif m and width:
+                dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+                _silu_bwd_kernel[_grid(m, width)](
+                    dy, h[:, start:], part, m, width, dy.stride(0), h.stride(0), dh.stride(0),
+                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                )
+            start += width
+        return dh, None
+
+
+def silu_split(h, widths):
+    """Same contract as :func:`kernels.pytorch.silu_split.silu_split`."""
+    return _SiluSplitFn.apply(h, tuple(widths))

@@ -1,0 +1,93 @@
+"""The fused glue of the HSTU block and the residual stream: Triton (interpreted on CPU) against the PyTorch
+references, forward and every gradient, on random shapes incl. no, one and non-power-of-two tokens and widths.
+
+The references are first checked against plain eager PyTorch, so a shared misunderstanding cannot pass both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import silu_split
+from kernels.triton import silu_split as silu_split_module
+
+
+def _leaf(g: torch.Generator, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    """float32: the same formula in both; float16/bfloat16: one rounding of the same float32 value (an ulp apart)."""
+    return {
+        torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+        torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+        torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
+    }[dtype]
+
+
+def test_silu_split_reference_is_silu_then_split():
+    h = torch.randn(5, 10)
+    parts = silu_split(h, [3, 3, 2, 2], backend="pytorch")
+    expected = torch.nn.functional.silu(h)
+    assert [p.shape for p in parts] == [(5, 3), (5, 3), (5, 2), (5, 2)]
+    torch.testing.assert_close(torch.cat(parts, -1), expected)
+
+
+@pytest.mark.parametrize(
+    "tokens,widths,dtype",
+    [
+        (37, [24, 24, 16, 16], torch.float32),  # the HSTU split, several row tiles
+        (1, [5, 5, 3, 3], torch.float32),  # one token, odd widths
+        (0, [8, 8, 4, 4], torch.float32),  # no tokens
+        (19, [300, 7], torch.float16),  # a part wider than a column tile, one narrower
+        (16, [1], torch.float16),  # one column
+        (23, [40, 40, 24, 24], torch.bfloat16),  # the block's dtype under autocast on the GPU
+    ],
+)
+def test_silu_split_triton_matches_reference(tokens, widths, dtype):
+    g = torch.Generator().manual_seed(tokens + sum(widths))
+    h = _leaf(g, tokens, sum(widths), dtype=dtype)
+    upstream = [torch.randn(tokens, w, generator=g).to(dtype) for w in widths]
+    results = {}
+    for backend in ("pytorch", "triton"):
+        h.grad = None
+        parts = silu_split(h, widths, backend=backend)
+        # Every part's gradient, one of them through a non-contiguous view (as the attention's [L, H, D] ones are).
+        loss = sum((p * u).sum() for p, u in zip(parts[1:], upstream[1:], strict=True))
+        loss = loss + (parts[0].t() * upstream[0].t()).sum() if tokens else loss + parts[0].sum() * 0
+        loss.backward()
+        results[backend] = (parts, h.grad.clone())
+    (ref, ref_dh), (out, dh) = results["pytorch"], results["triton"]
+    for a, b in zip(out, ref, strict=True):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **_tol(dtype))
+    assert dh.dtype == dtype
+    torch.testing.assert_close(dh, ref_dh, **_tol(dtype))
+
+
+def test_silu_split_part_without_gradient_gets_zeros(monkeypatch):
+    """Only some parts used: the others' columns of dh are zero (the kernel's zero-fill, not stale memory)."""
+    monkeypatch.setattr(silu_split_module, "BLOCK_M", 4)  # several row tiles
+    g = torch.Generator().manual_seed(5)
+    h = _leaf(g, 11, 20)
+    _, v, _ = silu_split(h, [6, 9, 5], backend="triton")
+    (v * 3).sum().backward()
+    expected = torch.zeros(11, 20)
+    with torch.enable_grad():
+        hv = h.detach()[:, 6:15].requires_grad_(True)
+        (torch.nn.functional.silu(hv) * 3).sum().backward()
+    expected[:, 6:15] = hv.grad
+    torch.testing.assert_close(h.grad, expected)
+
+
+def test_silu_split_rejects_bad_input():
+    h = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="sum to 5"):
+        silu_split(h, [2, 3])
+    with pytest.raises(ValueError, match="positive ints"):
+        silu_split(h, [6, 0])
+    with pytest.raises(ValueError, match="h must be"):
+        silu_split(h[None], [6])
+    with pytest.raises(ValueError, match="h must be a floating"):
+        silu_split(h.long(), [6])
