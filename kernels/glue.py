@@ -1,5 +1,5 @@
-"""Dispatchers for the glue around the attention kernels: a fused LayerNorm, a per-row SiLU modulation and a split
-SiLU.
+"""Dispatchers for the glue around the attention kernels: a fused LayerNorm (alone or after a residual add), a
+per-row SiLU modulation and a split SiLU.
 
 Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
 PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU
@@ -78,6 +78,53 @@ def layer_norm(
     else:
         from kernels.pytorch.layer_norm import layer_norm as impl
     return impl(x, weight, bias, eps, scale=scale, gate=gate, out_dtype=out_dtype)
+
+
+def residual_layer_norm(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + branch, LN(x + branch).to(out_dtype))``: a block's output added to the residual stream, and the stream's
+    norm for the next block, in one pass each way (the Triton backward also adds the stream's own gradient).
+
+    Args:
+        x: ``[..., N]`` the residual stream (float32 under autocast).
+        branch: ``[..., N]``, x's shape: the block's output (the autocast dtype).
+        weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
+        eps: the LayerNorm epsilon.
+        out_dtype: the norm's dtype; None: the sum's.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        ``(sum, norm)``: the sum in x's dtype promoted with the branch's, the norm in ``out_dtype``; differentiable in
+        x, branch, weight and bias.
+    """
+    _check_float("x", x, x.device)
+    _check_float("branch", branch, x.device)
+    if branch.shape != x.shape or x.dim() == 0:
+        raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
+    n = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        _check_float(name, p, x.device)
+        if p.shape != (n,):
+            raise ValueError(f"{name} must be [N]=[{n}], got {tuple(p.shape)}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    if _resolve(backend, x) == "triton":
+        from kernels.triton.layer_norm import MAX_N
+        from kernels.triton.layer_norm import residual_layer_norm as impl
+
+        if n > MAX_N:
+            raise ValueError(f"the Triton residual_layer_norm takes N <= {MAX_N}, got {n}; use backend='pytorch'")
+    else:
+        from kernels.pytorch.layer_norm import residual_layer_norm as impl
+    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype)
 
 
 def jagged_silu_modulate(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foundation.model.norms import apply_layer_norm, build_layer_norm
+from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm, build_layer_norm
 from foundation.model.profiling import ATTENTION, profile_region
 from foundation.model.teacher_config import BLOCK_INITS, REL_BIASES
 from kernels import jagged_attention, silu_split
@@ -75,10 +75,12 @@ class HSTUBlock(nn.Module):
         elif init not in BLOCK_INITS:
             raise ValueError(f"teacher.block_init must be one of {BLOCK_INITS}, got {init!r}")
 
-    def split_uvqk(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``."""
+    def split_uvqk(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``; ``normed``: x's input norm
+        when the caller computed it."""
         h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
-        u, v, q, k = silu_split(self.uvqk(apply_layer_norm(self.input_norm, x)), [h * dv, h * dv, h * dqk, h * dqk])
+        normed = apply_layer_norm(self.input_norm, x) if normed is None else normed
+        u, v, q, k = silu_split(self.uvqk(normed), [h * dv, h * dv, h * dqk, h * dqk])
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
     def forward(
@@ -89,6 +91,8 @@ class HSTUBlock(nn.Module):
         timestamps: torch.Tensor,
         num_targets: torch.Tensor | None = None,
         query_timestamps: torch.Tensor | None = None,
+        *,
+        branch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         x: ``[L, d]`` tokens.
@@ -99,8 +103,13 @@ class HSTUBlock(nn.Module):
             themselves only (CLS and candidate tokens).
         query_timestamps: ``[L]`` int64 or None: the times queries measure the time bias from
             (None: ``timestamps``).
+            branch: ``[L, d]`` or None: the previous block's output, not yet added to ``x`` (its
+                ``defer_residual``); added here in the input norm's pass, the block's input being ``x + branch``.
         """
-        u, v, q, k = self.split_uvqk(x)
+        normed = None
+        if branch is not None:
+            x, normed = apply_residual_layer_norm(self.input_norm, x, branch)
+        u, v, q, k = self.split_uvqk(x, normed)
         with profile_region(ATTENTION):
             attn = jagged_attention(
                 q,

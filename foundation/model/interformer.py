@@ -41,11 +41,18 @@ class PersonalizedFFN(nn.Module):
         nn.init.zeros_(self.condition.bias)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
-        """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``."""
+    def forward(
+        self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor, *, defer_residual: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``.
+
+        ``defer_residual``: return ``(x, branch)`` instead of ``x + branch``, for the next block to add in its input
+        norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream instead of two.
+        """
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
         hidden = jagged_silu_modulate(self.up(apply_layer_norm(self.norm, x)), 1 + gain, shift, rows)
-        return x + self.down(self.dropout(hidden))
+        branch = self.down(self.dropout(hidden))
+        return (x, branch) if defer_residual else x + branch
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from foundation.model.teacher_config import BLOCK_NORMS
-from kernels import layer_norm
+from kernels import layer_norm, residual_layer_norm
 
 PLAIN_EPS = 1e-6
 
@@ -62,6 +62,14 @@ def apply_layer_norm(
 ) -> torch.Tensor:
     """``norm(scale * x) * gate`` (``x``, ``gate`` ``[..., N]``) in the dtype the next GEMM computes in."""
     return layer_norm(x, norm.weight, norm.bias, norm.eps, scale=scale, gate=gate, out_dtype=autocast_dtype(x))
+
+
+def apply_residual_layer_norm(
+    norm: nn.LayerNorm | PlainLayerNorm, x: torch.Tensor, branch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + branch, norm(x + branch))`` (``[..., N]``): a block's output joins the residual stream and the stream is
+    normalised for the next block in one pass, the norm in the dtype the next GEMM computes in."""
+    return residual_layer_norm(x, branch, norm.weight, norm.bias, norm.eps, out_dtype=autocast_dtype(x))
 
 
 class FusedLayerNorm(nn.LayerNorm):

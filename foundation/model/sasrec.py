@@ -59,6 +59,8 @@ class SASRecBlock(nn.Module):
         timestamps: torch.Tensor | None = None,
         num_targets: torch.Tensor | None = None,
         query_timestamps: torch.Tensor | None = None,
+        *,
+        branch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         x: ``[L, d]`` tokens.
@@ -67,7 +69,11 @@ class SASRecBlock(nn.Module):
         timestamps, query_timestamps: ``[L]``; unused (no time bias).
         num_targets: ``[B]`` or None: the last tokens of each row that see the history and
             themselves only (CLS and candidate tokens).
+        branch: ``[L, d]`` or None: the previous block's output not yet added to ``x``; the block's input is
+            ``x + branch`` (its keys and values read it unnormalised, so the add is not fused here).
         """
+        if branch is not None:
+            x = x + branch
         h, dqk, dv = self.num_heads, self.attn_dim, self.value_dim
         q_in = self.query_norm(x)
         k, v = torch.split(self.key_value(x), [h * dqk, h * dv], -1)

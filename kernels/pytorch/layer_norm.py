@@ -31,3 +31,24 @@ def layer_norm(
         if gate is not None:
             y = y * gate.float()
     return y.to(dtype)
+
+
+def residual_layer_norm(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, LN(s))`` with ``s = x + branch`` (the residual stream after a block, and its norm for the next one).
+
+    Args:
+        x: ``[..., N]`` the residual stream.
+        branch: ``[..., N]`` (x's shape) the block's output.
+        weight, bias: ``[N]``.
+        out_dtype: the norm's dtype; None means the sum's (x's dtype promoted with the branch's).
+    """
+    total = x + branch
+    return total, layer_norm(total, weight, bias, eps, out_dtype=out_dtype)

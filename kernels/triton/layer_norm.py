@@ -1,4 +1,5 @@
-"""Triton LayerNorm fused with a scale on its input, a gate on its output and the cast for the next GEMM.
+"""Triton LayerNorm fused with a scale on its input, a gate on its output and the cast for the next GEMM, or with
+the residual add before it.
 
 ``y = (LN(scale * x) * gate).to(out_dtype)``, float32 inside. What it saves over eager PyTorch under
 bf16 autocast, per ``[M, N]`` call: autocast runs LayerNorm in float32, so eager writes a float32
@@ -7,6 +8,12 @@ GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. Th
 ``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
 per-program float32 partial sums over a block of rows, added once at the end (deterministic, one reduction
 for both).
+
+``residual_layer_norm``: ``s = x + branch``, ``y = LN(s)``, both written by one pass that reads ``x`` and the
+branch (a block's output added to the float32 residual stream, normalised for the next block). Eager writes
+``s``, then reads it again for the norm; backward, it adds the norm's input gradient to the stream's in a pass of
+its own and casts the sum for the branch in another. Here the norm's backward reads the stream's gradient and
+writes both inputs' gradients.
 
 Forward: one program per row, the whole row in one ``BLOCK_N`` tile (``N`` up to 16,384).
 Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -23,14 +30,18 @@ MAX_N = 16384
 
 @triton.jit
 def _ln_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, y_ptr, mean_ptr, rstd_ptr,
-    N, stride_x, stride_g, stride_y, scale, eps,
-    HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, b_ptr, g_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
+    N, stride_x, stride_r, stride_g, stride_s, stride_y, scale, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(s_ptr + row * stride_s + cols, x.to(s_ptr.dtype.element_ty), mask=mask)
+    x = x * scale
     mean = tl.sum(x, axis=0) / N
     centred = tl.where(mask, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
@@ -47,9 +58,10 @@ def _ln_fwd_kernel(
 # The row count changes with every batch: specialising on its divisibility would compile twice.
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _ln_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, mean_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_ptr, db_ptr,
-    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_dx, stride_dg, stride_partial, scale,
-    HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr, dw_ptr, db_ptr,
+    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_ds, stride_dx, stride_dr, stride_dg,
+    stride_partial, scale,
+    HAS_GATE: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -76,7 +88,11 @@ def _ln_bwd_kernel(
         mean_dot = tl.sum(d_hat * x_hat, axis=0) / N
         mean_d = tl.sum(d_hat, axis=0) / N
         dx = (d_hat - x_hat * mean_dot - mean_d) * rstd * scale
+        if HAS_STREAM_GRAD:  # the sum's own gradient (the residual stream past this norm) joins the norm's
+            dx += tl.load(ds_ptr + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_RESIDUAL:
+            tl.store(dr_ptr + row * stride_dr + cols, dx.to(dr_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_ptr + pid * stride_partial + cols, dw, mask=mask)
     tl.store(db_ptr + pid * stride_partial + cols, db, mask=mask)
 
@@ -94,23 +110,59 @@ def _num_programs(m: int, device: torch.device) -> int:
     return max(1, min(m, 4))
 
 
+def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype):
+    """``(sum, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual`` (None without a residual)."""
+    n = x.shape[-1]
+    x2 = _rows_2d(x, n)
+    g2 = _rows_2d(gate, n) if gate is not None else None
+    r2 = _rows_2d(residual, n) if residual is not None else None
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    s2 = torch.empty(m, n, device=x.device, dtype=torch.promote_types(x.dtype, r2.dtype)) if r2 is not None else None
+    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    block_n = triton.next_power_of_2(max(n, 1))
+    if m:
+        _ln_fwd_kernel[(m,)](
+            x2, r2 if r2 is not None else x2, weight, bias, g2 if g2 is not None else x2, s2 if s2 is not None else y,
+            y, mean, rstd, n, x2.stride(0), r2.stride(0) if r2 is not None else 0, g2.stride(0) if g2 is not None else 0,
+            s2.stride(0) if s2 is not None else 0, y.stride(0), scale, eps,
+            HAS_RESIDUAL=r2 is not None, HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )
+    return (s2 if s2 is not None else x2), g2, y, mean, rstd
+
+
+def _backward(dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, ds=None, residual_dtype=None):
+    """``(dx, dresidual, dweight, dbias, dgate)`` of ``[M, N]`` inputs (``dresidual``: with ``residual_dtype``)."""
+    m, n = x2.shape
+    dy2 = _rows_2d(dy, n)
+    ds2 = _rows_2d(ds, n) if ds is not None else None
+    dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    dr = torch.empty(m, n, device=x2.device, dtype=residual_dtype) if residual_dtype is not None else None
+    dg = torch.empty(m, n, device=x2.device, dtype=gate_dtype) if g2 is not None else None
+    programs = _num_programs(m, x2.device)
+    # Each program writes its partial sums of dw and db side by side (one reduction sums both); only an
+    # empty input launches none.
+    partial = (torch.empty if m else torch.zeros)(programs, 2, n, device=x2.device, dtype=torch.float32)
+    block_n = triton.next_power_of_2(max(n, 1))
+    if m:
+        _ln_bwd_kernel[(programs,)](
+            dy2, x2, weight, bias, g2 if g2 is not None else x2, mean, rstd, ds2 if ds2 is not None else dy2, dx,
+            dr if dr is not None else dx, dg if dg is not None else dx, partial[:, 0], partial[:, 1],
+            m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), g2.stride(0) if g2 is not None else 0,
+            ds2.stride(0) if ds2 is not None else 0, dx.stride(0), dr.stride(0) if dr is not None else 0,
+            dg.stride(0) if dg is not None else 0, partial.stride(0), scale,
+            HAS_GATE=g2 is not None, HAS_STREAM_GRAD=ds2 is not None, HAS_RESIDUAL=dr is not None,
+            BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )
+    sums = partial.sum(0)
+    return dx, dr, sums[0].to(weight.dtype), sums[1].to(bias.dtype), dg
+
+
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gate, scale, eps, out_dtype):
-        n = x.shape[-1]
-        x2 = _rows_2d(x, n)
-        g2 = _rows_2d(gate, n) if gate is not None else None
-        m = x2.shape[0]
-        y = torch.empty(m, n, device=x.device, dtype=out_dtype)
-        mean = torch.empty(m, device=x.device, dtype=torch.float32)
-        rstd = torch.empty_like(mean)
-        block_n = triton.next_power_of_2(max(n, 1))
-        if m:
-            _ln_fwd_kernel[(m,)](
-                x2, weight, bias, g2 if g2 is not None else x2, y, mean, rstd,
-                n, x2.stride(0), g2.stride(0) if g2 is not None else 0, y.stride(0), scale, eps,
-                HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
-            )
+        x2, g2, y, mean, rstd = _forward(x, weight, bias, gate, None, scale, eps, out_dtype)
         ctx.save_for_backward(x2, weight, bias, g2, mean, rstd)
         ctx.scale, ctx.shape, ctx.gate_dtype = scale, x.shape, gate.dtype if gate is not None else None
         return y.view(x.shape)
@@ -118,28 +170,29 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, g2, mean, rstd = ctx.saved_tensors
-        m, n = x2.shape
-        dy2 = _rows_2d(dy, n)
-        dx = torch.empty_like(x2)
-        dg = torch.empty(m, n, device=x2.device, dtype=ctx.gate_dtype) if g2 is not None else None
-        programs = _num_programs(m, x2.device)
-        # Each program writes its partial sums of dw and db side by side (one reduction sums both); only an
-        # empty input launches none.
-        partial = (torch.empty if m else torch.zeros)(programs, 2, n, device=x2.device, dtype=torch.float32)
-        block_n = triton.next_power_of_2(max(n, 1))
-        if m:
-            _ln_bwd_kernel[(programs,)](
-                dy2, x2, weight, bias, g2 if g2 is not None else x2, mean, rstd, dx,
-                dg if dg is not None else dx, partial[:, 0], partial[:, 1],
-                m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0),
-                g2.stride(0) if g2 is not None else 0, dx.stride(0), dg.stride(0) if dg is not None else 0,
-                partial.stride(0), ctx.scale, HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
-            )
-        sums = partial.sum(0)
-        grad_w = sums[0].to(weight.dtype)
-        grad_b = sums[1].to(bias.dtype)
+        dx, _, grad_w, grad_b, dg = _backward(dy, x2, weight, bias, g2, mean, rstd, ctx.scale, gate_dtype=ctx.gate_dtype)
         grad_g = dg.view(ctx.shape) if dg is not None else None
         return dx.view(ctx.shape), grad_w, grad_b, grad_g, None, None, None
+
+
+class _ResidualLayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, branch, weight, bias, eps, out_dtype):
+        s2, _, y, mean, rstd = _forward(x, weight, bias, None, branch, 1.0, eps, out_dtype)
+        ctx.save_for_backward(s2, weight, bias, mean, rstd)
+        ctx.shape, ctx.dtypes = x.shape, (x.dtype, branch.dtype)
+        ctx.set_materialize_grads(False)
+        return s2.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s2, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None:  # the norm's output unused: the sum's gradient is both inputs'
+            return ds.to(ctx.dtypes[0]), ds.to(ctx.dtypes[1]), None, None, None, None
+        dx, dr, grad_w, grad_b, _ = _backward(
+            dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=ctx.dtypes[1]
+        )
+        return dx.to(ctx.dtypes[0]).view(ctx.shape), dr.view(ctx.shape), grad_w, grad_b, None, None
 
 
 def _num_warps(block_n: int) -> int:
@@ -150,3 +203,9 @@ def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None):
     """Same contract as :func:`kernels.pytorch.layer_norm.layer_norm` (``N <= MAX_N``)."""
     dtype = out_dtype or (torch.promote_types(x.dtype, gate.dtype) if gate is not None else x.dtype)
     return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype)
+
+
+def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None):
+    """Same contract as :func:`kernels.pytorch.layer_norm.residual_layer_norm` (``N <= MAX_N``)."""
+    total = torch.promote_types(x.dtype, branch.dtype)
+    return _ResidualLayerNormFn.apply(x, branch, weight, bias, float(eps), out_dtype or total)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import silu_split
+from kernels import residual_layer_norm, silu_split
 from kernels.triton import silu_split as silu_split_module
 
 
@@ -91,3 +91,79 @@ def test_silu_split_rejects_bad_input():
         silu_split(h[None], [6])
     with pytest.raises(ValueError, match="h must be a floating"):
         silu_split(h.long(), [6])
+
+
+def _residual_case(tokens: int, n: int, dtype: torch.dtype, seed: int):
+    """A float32 stream, a branch in ``dtype`` (a GEMM's under autocast), affine parameters."""
+    g = torch.Generator().manual_seed(seed)
+    x, branch = _leaf(g, tokens, n), _leaf(g, tokens, n, dtype=dtype)
+    weight = (1 + 0.3 * torch.randn(n, generator=g)).requires_grad_(True)
+    bias = (0.2 * torch.randn(n, generator=g)).requires_grad_(True)
+    return x, branch, weight, bias, g
+
+
+def test_residual_layer_norm_reference_is_add_then_layer_norm():
+    x, branch, weight, bias, _ = _residual_case(4, 9, torch.float32, 0)
+    total, normed = residual_layer_norm(x, branch, weight, bias, 1e-5, backend="pytorch")
+    torch.testing.assert_close(total, x + branch)
+    torch.testing.assert_close(normed, torch.nn.functional.layer_norm(x + branch, (9,), weight, bias, 1e-5))
+
+
+@pytest.mark.parametrize(
+    "tokens,n,dtype,out_dtype",
+    [
+        (13, 48, torch.float32, None),
+        (1, 33, torch.float32, torch.float16),  # one token, a non-power-of-two width
+        (0, 40, torch.float32, None),  # no tokens
+        (9, 100, torch.float16, torch.float16),
+        (7, 96, torch.bfloat16, torch.bfloat16),  # the teacher's dtypes under autocast on the GPU
+    ],
+)
+@pytest.mark.parametrize("stream_used", [True, False])  # the sum read downstream (the residual stream) or not
+def test_residual_layer_norm_triton_matches_reference(tokens, n, dtype, out_dtype, stream_used):
+    x, branch, weight, bias, g = _residual_case(tokens, n, dtype, seed=tokens * n + stream_used)
+    upstream_sum, upstream_norm = torch.randn(tokens, n, generator=g), torch.randn(tokens, n, generator=g)
+    leaves = [x, branch, weight, bias]
+    results = {}
+    for backend in ("pytorch", "triton"):
+        for leaf in leaves:
+            leaf.grad = None
+        total, normed = residual_layer_norm(x, branch, weight, bias, 1e-5, out_dtype=out_dtype, backend=backend)
+        loss = (normed * upstream_norm.to(normed.dtype)).sum()
+        if stream_used:
+            loss = loss + (total * upstream_sum).sum()
+        loss.backward()
+        results[backend] = (total, normed, [leaf.grad.clone() for leaf in leaves])
+    (ref_sum, ref_norm, ref_grads), (total, normed, grads) = results["pytorch"], results["triton"]
+    assert total.dtype == ref_sum.dtype == torch.float32 and normed.dtype == ref_norm.dtype
+    torch.testing.assert_close(total, ref_sum, rtol=0, atol=0)  # one float32 add in both
+    # float32 LayerNorm sums in another order; a half-precision output or branch rounds once more.
+    low = dtype if dtype != torch.float32 else out_dtype or torch.float32
+    tol = {k: max(v, 1e-4) for k, v in _tol(low).items()}
+    torch.testing.assert_close(normed, ref_norm, **tol)
+    for name, a, b in zip(("x", "branch", "weight", "bias"), grads, ref_grads, strict=True):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_residual_layer_norm_only_the_sum_used():
+    """The norm's output unused: both inputs get the sum's gradient, the parameters none."""
+    x, branch, weight, bias, g = _residual_case(5, 12, torch.float16, 3)
+    total, _ = residual_layer_norm(x, branch, weight, bias, 1e-5, backend="triton")
+    upstream = torch.randn(5, 12, generator=g)
+    (total * upstream).sum().backward()
+    torch.testing.assert_close(x.grad, upstream)
+    torch.testing.assert_close(branch.grad, upstream.half())
+    assert weight.grad is None and bias.grad is None
+
+
+def test_residual_layer_norm_rejects_bad_input():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="branch must have"):
+        residual_layer_norm(x, torch.randn(3, 7), torch.ones(8), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="weight must be"):
+        residual_layer_norm(x, x, torch.ones(7), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="branch must be a floating"):
+        residual_layer_norm(x, x.long(), torch.ones(8), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="out_dtype"):
+        residual_layer_norm(x, x, torch.ones(8), torch.zeros(8), 1e-5, out_dtype=torch.int32)
