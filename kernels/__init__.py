@@ -26,7 +26,7 @@ import torch
 
 from kernels import settings
 from kernels.checks import check_offsets, check_qkv, check_values
-from kernels.glue import jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
+from kernels.glue import draw_dropout_mask, jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 from kernels.spec import AttentionSpec
 
@@ -34,6 +34,7 @@ __all__ = [
     "ACTIVATIONS",
     "AttentionSpec",
     "check_values",
+    "draw_dropout_mask",
     "jagged_attention",
     "jagged_cross_attention",
     "jagged_silu_modulate",

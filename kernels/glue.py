@@ -22,6 +22,27 @@ def _resolve(backend: str, x: torch.Tensor) -> str:
     return settings.resolve_backend(backend, settings.glue_backend(), x.is_cuda)
 
 
+def _check_dropout(mask: torch.Tensor | None, p: float, shape: torch.Size, device: torch.device) -> None:
+    """A keep mask of the output's shape with ``0 < p < 1``, or no mask and ``p == 0``."""
+    if mask is None:
+        if p != 0.0:
+            raise ValueError(f"dropout_p={p} needs a dropout_mask (draw it with kernels.draw_dropout_mask)")
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != shape:
+        raise ValueError(f"dropout_mask must be bool of shape {tuple(shape)}, got {getattr(mask, 'dtype', mask)} "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    if mask.device != device:
+        raise ValueError(f"dropout_mask is on {mask.device} but the input is on {device}")
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"dropout_p must be in (0, 1) with a dropout_mask, got {p}")
+
+
+def draw_dropout_mask(shape: Sequence[int], p: float, device: torch.device) -> torch.Tensor:
+    """``[*shape]`` bool keep mask, each element kept with probability ``1 - p`` (PyTorch's generator: CUDA-graph
+    safe), for the glue ops' ``dropout_mask``."""
+    return torch.empty(tuple(shape), dtype=torch.bool, device=device).bernoulli_(1.0 - p)
+
+
 def _check_float(name: str, t: torch.Tensor, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
         raise ValueError(f"{name} must be a floating tensor, got {getattr(t, 'dtype', type(t))}")
@@ -38,9 +59,11 @@ def layer_norm(
     scale: float = 1.0,
     gate: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``(LN(scale * x) * gate).to(out_dtype)`` over the last axis, computed in float32.
+    """``dropout(LN(scale * x) * gate).to(out_dtype)`` over the last axis, computed in float32.
 
     ``out_dtype`` lets the caller hand the next GEMM its autocast dtype directly: the values are those
     that autocast's float32 LayerNorm followed by the GEMM's cast would give.
@@ -52,6 +75,9 @@ def layer_norm(
         scale: multiplies ``x`` before the normalisation (folded into the kernel's load).
         gate: ``[..., N]``, x's shape, multiplying the normalised output; or None.
         out_dtype: the result's dtype; None: x's dtype promoted with gate's.
+        dropout_mask: ``[..., N]`` bool (x's shape): the elements kept, scaled by ``1 / (1 - dropout_p)``
+            (:func:`draw_dropout_mask`); None: no dropout (``dropout_p`` 0).
+        dropout_p: the dropout probability the mask was drawn with.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
@@ -69,6 +95,7 @@ def layer_norm(
             raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     if out_dtype is not None and not out_dtype.is_floating_point:
         raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    _check_dropout(dropout_mask, dropout_p, x.shape, x.device)
     if _resolve(backend, x) == "triton":
         from kernels.triton.layer_norm import MAX_N
         from kernels.triton.layer_norm import layer_norm as impl
@@ -77,7 +104,9 @@ def layer_norm(
             raise ValueError(f"the Triton layer_norm takes N <= {MAX_N}, got {n}; use backend='pytorch'")
     else:
         from kernels.pytorch.layer_norm import layer_norm as impl
-    return impl(x, weight, bias, eps, scale=scale, gate=gate, out_dtype=out_dtype)
+    return impl(
+        x, weight, bias, eps, scale=scale, gate=gate, out_dtype=out_dtype, dropout_mask=dropout_mask, dropout_p=dropout_p
+    )
 
 
 def residual_layer_norm(
@@ -128,9 +157,16 @@ def residual_layer_norm(
 
 
 def jagged_silu_modulate(
-    h: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, rows: torch.Tensor, *, backend: str = "auto"
+    h: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """``silu(h) * scale[rows] + shift[rows]``: every token modulated by its row's vectors (InterFormer's PFFN).
+    """``dropout(silu(h) * scale[rows] + shift[rows])``: every token modulated by its row's vectors (InterFormer's PFFN).
 
     The Triton backend is one pass forward and one backward, whose per-row sums of ``scale`` and ``shift``
     gradients run over each row's contiguous tokens (no atomics, no sort) where autograd's would
@@ -142,6 +178,9 @@ def jagged_silu_modulate(
         rows: ``[L]`` int64, the row of every token, **sorted** (tokens of a row are contiguous, rows in
             order: what :func:`foundation.model.jagged.token_rows` and a context-parallel shard give);
             values in ``[0, B)``. Not checked on the device (that would sync).
+        dropout_mask: ``[L, N]`` bool, the elements kept, scaled by ``1 / (1 - dropout_p)``
+            (:func:`draw_dropout_mask`); None: no dropout (``dropout_p`` 0).
+        dropout_p: the dropout probability the mask was drawn with.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
@@ -158,11 +197,12 @@ def jagged_silu_modulate(
         raise ValueError(f"rows must be int64 [L]=[{h.shape[0]}], got {getattr(rows, 'shape', rows)}")
     if rows.device != h.device:
         raise ValueError(f"rows is on {rows.device} but h is on {h.device}")
+    _check_dropout(dropout_mask, dropout_p, h.shape, h.device)
     if _resolve(backend, h) == "triton":
         from kernels.triton.row_modulate import jagged_silu_modulate as impl
     else:
         from kernels.pytorch.row_modulate import jagged_silu_modulate as impl
-    return impl(h, scale, shift, rows)
+    return impl(h, scale, shift, rows, dropout_mask=dropout_mask, dropout_p=dropout_p)
 
 
 def silu_split(h: torch.Tensor, widths: Sequence[int], *, backend: str = "auto") -> tuple[torch.Tensor, ...]:

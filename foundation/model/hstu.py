@@ -1,7 +1,7 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
 ``U, V, Q, K = silu(W·LN(x))`` (split with :func:`kernels.silu_split`); ``A = silu(alpha·QKᵀ + rel_bias)/N · V`` (causal, through
-:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm one fused kernel
+:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm and its dropout one fused kernel
 (:func:`kernels.layer_norm`). The relative bias is a learned
 per-head table over position distance plus one over log time-difference buckets.
 
@@ -133,8 +133,8 @@ class HSTUBlock(nn.Module):
             lengths = offsets[1:] - offsets[:-1]
             row_length = torch.repeat_interleave(lengths, lengths, output_size=x.shape[0])
             attn = attn * (max_len / row_length.to(attn.dtype))[:, None, None]
-        gated = apply_layer_norm(self.attn_norm, attn.reshape(x.shape[0], -1), scale=scale, gate=u)
-        return x + self.output(self.dropout(gated))
+        gated = apply_layer_norm(self.attn_norm, attn.reshape(x.shape[0], -1), scale=scale, gate=u, dropout=self.dropout)
+        return x + self.output(gated)
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from foundation.model.jagged import RecentTokens
-from foundation.model.norms import apply_layer_norm
+from foundation.model.norms import apply_layer_norm, fused_dropout
 from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_cross_attention, jagged_silu_modulate
 
@@ -50,8 +50,9 @@ class PersonalizedFFN(nn.Module):
         norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream instead of two.
         """
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
-        hidden = jagged_silu_modulate(self.up(apply_layer_norm(self.norm, x)), 1 + gain, shift, rows)
-        branch = self.down(self.dropout(hidden))
+        up = self.up(apply_layer_norm(self.norm, x))
+        hidden = jagged_silu_modulate(up, 1 + gain, shift, rows, **fused_dropout(self.dropout, up.shape, up.device))
+        branch = self.down(hidden)
         return (x, branch) if defer_residual else x + branch
 
 

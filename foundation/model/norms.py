@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from foundation.model.teacher_config import BLOCK_NORMS
-from kernels import layer_norm, residual_layer_norm
+from kernels import draw_dropout_mask, layer_norm, residual_layer_norm
 
 PLAIN_EPS = 1e-6
 
@@ -58,10 +58,26 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 def apply_layer_norm(
-    norm: nn.LayerNorm | PlainLayerNorm, x: torch.Tensor, *, scale: float = 1.0, gate: torch.Tensor | None = None
+    norm: nn.LayerNorm | PlainLayerNorm,
+    x: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    gate: torch.Tensor | None = None,
+    dropout: nn.Dropout | None = None,
 ) -> torch.Tensor:
-    """``norm(scale * x) * gate`` (``x``, ``gate`` ``[..., N]``) in the dtype the next GEMM computes in."""
-    return layer_norm(x, norm.weight, norm.bias, norm.eps, scale=scale, gate=gate, out_dtype=autocast_dtype(x))
+    """``dropout(norm(scale * x) * gate)`` (``x``, ``gate`` ``[..., N]``) in the dtype the next GEMM computes in."""
+    return layer_norm(
+        x, norm.weight, norm.bias, norm.eps, scale=scale, gate=gate, out_dtype=autocast_dtype(x),
+        **fused_dropout(dropout, x.shape, x.device),
+    )
+
+
+def fused_dropout(dropout: nn.Dropout | None, shape: torch.Size, device: torch.device) -> dict:
+    """The glue kernels' dropout arguments for an output of ``shape``: a fresh keep mask and ``p`` while ``dropout``
+    trains with ``p > 0``, else none (the kernels' path without dropout)."""
+    if dropout is None or not dropout.training or dropout.p == 0.0:
+        return {}
+    return {"dropout_mask": draw_dropout_mask(shape, dropout.p, device), "dropout_p": dropout.p}
 
 
 def apply_residual_layer_norm(

@@ -1,4 +1,4 @@
-"""PyTorch reference for the fused LayerNorm: ``(LN(scale * x) * gate)`` computed in float32, cast once."""
+"""PyTorch reference for the fused LayerNorm: ``dropout(LN(scale * x) * gate)`` computed in float32, cast once."""
 
 from __future__ import annotations
 
@@ -15,14 +15,17 @@ def layer_norm(
     scale: float = 1.0,
     gate: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """``LN(scale * x) * gate`` over the last axis, in float32 whatever the autocast state, as ``out_dtype``.
+    """``dropout(LN(scale * x) * gate)`` over the last axis, in float32 whatever the autocast state, as ``out_dtype``.
 
     Args:
         x: ``[..., N]``.
         weight, bias: ``[N]``.
         gate: ``[..., N]`` (x's shape) or None.
         out_dtype: the result's dtype; None means x's dtype promoted with gate's.
+        dropout_mask: ``[..., N]`` bool, the elements kept (each scaled by ``1 / (1 - dropout_p)``), or None.
     """
     dtype = out_dtype or (torch.promote_types(x.dtype, gate.dtype) if gate is not None else x.dtype)
     with torch.autocast(x.device.type, enabled=False):
@@ -30,6 +33,8 @@ def layer_norm(
         y = F.layer_norm(scaled, (x.shape[-1],), weight.float(), bias.float(), eps)
         if gate is not None:
             y = y * gate.float()
+        if dropout_mask is not None:
+            y = y * dropout_mask * (1.0 / (1.0 - dropout_p))
     return y.to(dtype)
 
 

@@ -1,8 +1,9 @@
 """Triton LayerNorm fused with a scale on its input, a gate on its output and the cast for the next GEMM, or with
 the residual add before it.
 
-``y = (LN(scale * x) * gate).to(out_dtype)``, float32 inside. What it saves over eager PyTorch under
-bf16 autocast, per ``[M, N]`` call: autocast runs LayerNorm in float32, so eager writes a float32
+``y = dropout(LN(scale * x) * gate).to(out_dtype)``, float32 inside; the dropout's keep mask is an input (drawn
+by the caller from PyTorch's generator), read forward and backward in place of eager dropout's own passes (which
+read and write ``y`` once more each way). What it saves over eager PyTorch under bf16 autocast, per ``[M, N]`` call: autocast runs LayerNorm in float32, so eager writes a float32
 output, multiplies it by the gate into another float32 tensor and casts that to bf16 for the next
 GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. The backward reads
 ``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
@@ -30,9 +31,9 @@ MAX_N = 16384
 
 @triton.jit
 def _ln_fwd_kernel(
-    x_ptr, r_ptr, w_ptr, b_ptr, g_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
-    N, stride_x, stride_r, stride_g, stride_s, stride_y, scale, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, b_ptr, g_ptr, m_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
+    N, stride_x, stride_r, stride_g, stride_m, stride_s, stride_y, scale, eps, keep_scale,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -50,6 +51,9 @@ def _ln_fwd_kernel(
     y = centred * rstd * w + b
     if HAS_GATE:
         y = y * tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = tl.load(m_ptr + row * stride_m + cols, mask=mask, other=0) != 0
+        y = tl.where(keep, y * keep_scale, 0.0)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
@@ -58,10 +62,11 @@ def _ln_fwd_kernel(
 # The row count changes with every batch: specialising on its divisibility would compile twice.
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _ln_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr, dw_ptr, db_ptr,
-    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_ds, stride_dx, stride_dr, stride_dg,
-    stride_partial, scale,
-    HAS_GATE: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, m_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr, dw_ptr, db_ptr,
+    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx, stride_dr, stride_dg,
+    stride_partial, scale, keep_scale,
+    HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -78,6 +83,9 @@ def _ln_bwd_kernel(
         rstd = tl.load(rstd_ptr + row)
         x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
         dn = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep = tl.load(m_ptr + row * stride_m + cols, mask=mask, other=0) != 0
+            dn = tl.where(keep, dn * keep_scale, 0.0)
         if HAS_GATE:
             gate = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(dg_ptr + row * stride_dg + cols, (dn * (x_hat * w + b)).to(dg_ptr.dtype.element_ty), mask=mask)
@@ -110,12 +118,14 @@ def _num_programs(m: int, device: torch.device) -> int:
     return max(1, min(m, 4))
 
 
-def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype):
-    """``(sum, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual`` (None without a residual)."""
+def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(None, 1.0)):
+    """``(sum or x, gate, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual`` when there is one.
+    ``dropout``: ``(mask [M, N] uint8 or None, 1 / (1 - p))``."""
     n = x.shape[-1]
     x2 = _rows_2d(x, n)
     g2 = _rows_2d(gate, n) if gate is not None else None
     r2 = _rows_2d(residual, n) if residual is not None else None
+    m2, keep_scale = dropout
     m = x2.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=out_dtype)
     s2 = torch.empty(m, n, device=x.device, dtype=torch.promote_types(x.dtype, r2.dtype)) if r2 is not None else None
@@ -124,19 +134,22 @@ def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype):
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_fwd_kernel[(m,)](
-            x2, r2 if r2 is not None else x2, weight, bias, g2 if g2 is not None else x2, s2 if s2 is not None else y,
-            y, mean, rstd, n, x2.stride(0), r2.stride(0) if r2 is not None else 0, g2.stride(0) if g2 is not None else 0,
-            s2.stride(0) if s2 is not None else 0, y.stride(0), scale, eps,
-            HAS_RESIDUAL=r2 is not None, HAS_GATE=g2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            x2, _or(r2, x2), weight, bias, _or(g2, x2), _or(m2, x2), _or(s2, y), y, mean, rstd,
+            n, x2.stride(0), _stride(r2), _stride(g2), _stride(m2), _stride(s2), y.stride(0), scale, eps, keep_scale,
+            HAS_RESIDUAL=r2 is not None, HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, BLOCK_N=block_n,
+            num_warps=_num_warps(block_n),
         )
     return (s2 if s2 is not None else x2), g2, y, mean, rstd
 
 
-def _backward(dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, ds=None, residual_dtype=None):
+def _backward(
+    dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, dropout=(None, 1.0), ds=None, residual_dtype=None
+):
     """``(dx, dresidual, dweight, dbias, dgate)`` of ``[M, N]`` inputs (``dresidual``: with ``residual_dtype``)."""
     m, n = x2.shape
     dy2 = _rows_2d(dy, n)
     ds2 = _rows_2d(ds, n) if ds is not None else None
+    m2, keep_scale = dropout
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
     dr = torch.empty(m, n, device=x2.device, dtype=residual_dtype) if residual_dtype is not None else None
     dg = torch.empty(m, n, device=x2.device, dtype=gate_dtype) if g2 is not None else None
@@ -147,32 +160,50 @@ def _backward(dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, ds=Non
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
-            dy2, x2, weight, bias, g2 if g2 is not None else x2, mean, rstd, ds2 if ds2 is not None else dy2, dx,
-            dr if dr is not None else dx, dg if dg is not None else dx, partial[:, 0], partial[:, 1],
-            m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), g2.stride(0) if g2 is not None else 0,
-            ds2.stride(0) if ds2 is not None else 0, dx.stride(0), dr.stride(0) if dr is not None else 0,
-            dg.stride(0) if dg is not None else 0, partial.stride(0), scale,
-            HAS_GATE=g2 is not None, HAS_STREAM_GRAD=ds2 is not None, HAS_RESIDUAL=dr is not None,
-            BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            dy2, x2, weight, bias, _or(g2, x2), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx, _or(dr, dx), _or(dg, dx),
+            partial[:, 0], partial[:, 1], m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2),
+            _stride(m2), _stride(ds2), dx.stride(0), _stride(dr), _stride(dg), partial.stride(0), scale, keep_scale,
+            HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
+            HAS_RESIDUAL=dr is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )
     sums = partial.sum(0)
     return dx, dr, sums[0].to(weight.dtype), sums[1].to(bias.dtype), dg
 
 
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """``t``, or a tensor the kernel never reads (its flag is off) in its place."""
+    return t if t is not None else placeholder
+
+
+def _stride(t: torch.Tensor | None) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+def _dropout_rows(mask: torch.Tensor | None, p: float, n: int) -> tuple[torch.Tensor | None, float]:
+    """The kernels' dropout arguments: the keep mask as ``[M, N]`` bytes, and ``1 / (1 - p)``."""
+    if mask is None:
+        return None, 1.0
+    return _rows_2d(mask, n).view(torch.uint8), 1.0 / (1.0 - p)
+
+
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, gate, scale, eps, out_dtype):
-        x2, g2, y, mean, rstd = _forward(x, weight, bias, gate, None, scale, eps, out_dtype)
-        ctx.save_for_backward(x2, weight, bias, g2, mean, rstd)
-        ctx.scale, ctx.shape, ctx.gate_dtype = scale, x.shape, gate.dtype if gate is not None else None
+    def forward(ctx, x, weight, bias, gate, scale, eps, out_dtype, dropout_mask, dropout_p):
+        dropout = _dropout_rows(dropout_mask, dropout_p, x.shape[-1])
+        x2, g2, y, mean, rstd = _forward(x, weight, bias, gate, None, scale, eps, out_dtype, dropout)
+        ctx.save_for_backward(x2, weight, bias, g2, mean, rstd, dropout[0])
+        ctx.scale, ctx.keep_scale, ctx.shape = scale, dropout[1], x.shape
+        ctx.gate_dtype = gate.dtype if gate is not None else None
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, bias, g2, mean, rstd = ctx.saved_tensors
-        dx, _, grad_w, grad_b, dg = _backward(dy, x2, weight, bias, g2, mean, rstd, ctx.scale, gate_dtype=ctx.gate_dtype)
+        x2, weight, bias, g2, mean, rstd, m2 = ctx.saved_tensors
+        dx, _, grad_w, grad_b, dg = _backward(
+            dy, x2, weight, bias, g2, mean, rstd, ctx.scale, gate_dtype=ctx.gate_dtype, dropout=(m2, ctx.keep_scale)
+        )
         grad_g = dg.view(ctx.shape) if dg is not None else None
-        return dx.view(ctx.shape), grad_w, grad_b, grad_g, None, None, None
+        return dx.view(ctx.shape), grad_w, grad_b, grad_g, None, None, None, None, None
 
 
 class _ResidualLayerNormFn(torch.autograd.Function):
@@ -199,10 +230,10 @@ def _num_warps(block_n: int) -> int:
     return min(16, max(1, block_n // 256))
 
 
-def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None):
+def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None, dropout_mask=None, dropout_p=0.0):
     """Same contract as :func:`kernels.pytorch.layer_norm.layer_norm` (``N <= MAX_N``)."""
     dtype = out_dtype or (torch.promote_types(x.dtype, gate.dtype) if gate is not None else x.dtype)
-    return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype)
+    return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype, dropout_mask, float(dropout_p))
 
 
 def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None):

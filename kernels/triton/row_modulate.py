@@ -1,10 +1,10 @@
-"""Triton per-row SiLU modulation: ``y = silu(h) * scale[row] + shift[row]`` over a jagged batch's tokens.
+"""Triton per-row SiLU modulation: ``y = dropout(silu(h) * scale[row] + shift[row])`` over a jagged batch's tokens.
 
 InterFormer's personalised FFN conditions every token of row ``b`` on that row's ``(scale_b, shift_b)``.
 Eager PyTorch broadcasts both to ``[L, N]`` tensors, runs SiLU, a multiply and an add as separate
 passes, and its backward scatter-adds every token's gradient into its row (``index_put_`` sorts the
 indices first; ``index_add_`` serialises on atomics, every token of a row hitting the same ``N``
-addresses). Here one pass reads ``h`` and writes ``y``; the backward reads ``dy`` and ``h`` once, writes
+addresses). Here one pass reads ``h`` (and the dropout's keep mask, an input) and writes ``y``; the backward reads ``dy`` and ``h`` once, writes
 ``dh``, and sums ``dy * silu(h)`` and ``dy`` over each row's tokens in registers.
 
 One program per (row, column block) walks its row's contiguous tokens in ``BLOCK_L`` tiles, so the
@@ -42,8 +42,8 @@ def _row_block(offsets_ptr, scale_ptr, stride_s, N, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _modulate_fwd_kernel(
-    h_ptr, scale_ptr, shift_ptr, offsets_ptr, y_ptr, N, stride_h, stride_s, stride_t, stride_y,
-    BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+    h_ptr, scale_ptr, shift_ptr, offsets_ptr, m_ptr, y_ptr, N, stride_h, stride_s, stride_t, stride_m, stride_y,
+    keep_scale, HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row, cols, col_ok, start, end, a = _row_block(offsets_ptr, scale_ptr, stride_s, N, BLOCK_N)
     c = tl.load(shift_ptr + row * stride_t + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -52,14 +52,17 @@ def _modulate_fwd_kernel(
         mask = (tokens < end)[:, None] & col_ok[None, :]
         h = tl.load(h_ptr + tokens[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = h * tl.sigmoid(h) * a[None, :] + c[None, :]
+        if HAS_DROPOUT:
+            keep = tl.load(m_ptr + tokens[:, None] * stride_m + cols[None, :], mask=mask, other=0) != 0
+            y = tl.where(keep, y * keep_scale, 0.0)
         tl.store(y_ptr + tokens[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _modulate_bwd_kernel(
-    dy_ptr, h_ptr, scale_ptr, offsets_ptr, dh_ptr, dscale_ptr, dshift_ptr,
-    N, stride_dy, stride_h, stride_s, stride_dh,
-    BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr, h_ptr, scale_ptr, offsets_ptr, m_ptr, dh_ptr, dscale_ptr, dshift_ptr,
+    N, stride_dy, stride_h, stride_s, stride_m, stride_dh, keep_scale,
+    HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row, cols, col_ok, start, end, a = _row_block(offsets_ptr, scale_ptr, stride_s, N, BLOCK_N)
     acc_scale = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
@@ -68,6 +71,9 @@ def _modulate_bwd_kernel(
         tokens = (first + tl.arange(0, BLOCK_L)).to(tl.int64)
         mask = (tokens < end)[:, None] & col_ok[None, :]
         dy = tl.load(dy_ptr + tokens[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep = tl.load(m_ptr + tokens[:, None] * stride_m + cols[None, :], mask=mask, other=0) != 0
+            dy = tl.where(keep, dy * keep_scale, 0.0)
         h = tl.load(h_ptr + tokens[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(h)
         silu = h * sig
@@ -99,10 +105,20 @@ def _row_offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:
     )
 
 
+def _keep_bytes(mask: torch.Tensor | None, h: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The keep mask as bytes with unit column stride, or ``h`` in its place (never read) and stride 0."""
+    if mask is None:
+        return h, 0
+    mask = _unit_columns(mask).view(torch.uint8)
+    return mask, mask.stride(0)
+
+
 class _SiluModulateFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, scale, shift, rows):
+    def forward(ctx, h, scale, shift, rows, dropout_mask, dropout_p):
         h, scale, shift = _unit_columns(h), _unit_columns(scale), _unit_columns(shift)
+        keep, stride_m = _keep_bytes(dropout_mask, h)
+        keep_scale = 1.0 / (1.0 - dropout_p)
         batch, n = scale.shape
         offsets = _row_offsets(rows, batch)
         dtype = torch.promote_types(torch.promote_types(h.dtype, scale.dtype), shift.dtype)
@@ -110,15 +126,16 @@ class _SiluModulateFn(torch.autograd.Function):
         if batch and n and h.shape[0]:
             grid, blocks = _launch_shape(batch, n)
             _modulate_fwd_kernel[grid](
-                h, scale, shift, offsets, y, n, h.stride(0), scale.stride(0), shift.stride(0), y.stride(0), **blocks
+                h, scale, shift, offsets, keep, y, n, h.stride(0), scale.stride(0), shift.stride(0), stride_m,
+                y.stride(0), keep_scale, HAS_DROPOUT=dropout_mask is not None, **blocks,
             )
-        ctx.save_for_backward(h, scale, offsets)
-        ctx.shift_dtype = shift.dtype
+        ctx.save_for_backward(h, scale, offsets, keep if dropout_mask is not None else None)
+        ctx.shift_dtype, ctx.stride_m, ctx.keep_scale = shift.dtype, stride_m, keep_scale
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        h, scale, offsets = ctx.saved_tensors
+        h, scale, offsets, keep = ctx.saved_tensors
         dy = _unit_columns(dy)
         batch, n = scale.shape
         dh = torch.empty_like(h, memory_format=torch.contiguous_format)
@@ -130,12 +147,13 @@ class _SiluModulateFn(torch.autograd.Function):
         if launched:
             grid, blocks = _launch_shape(batch, n)
             _modulate_bwd_kernel[grid](
-                dy, h, scale, offsets, dh, dscale, dshift, n, dy.stride(0), h.stride(0), scale.stride(0), dh.stride(0),
+                dy, h, scale, offsets, keep if keep is not None else h, dh, dscale, dshift, n, dy.stride(0),
+                h.stride(0), scale.stride(0), ctx.stride_m, dh.stride(0), ctx.keep_scale, HAS_DROPOUT=keep is not None,
                 **blocks,
             )
-        return dh, dscale, dshift, None
+        return dh, dscale, dshift, None, None, None
 
 
-def jagged_silu_modulate(h, scale, shift, rows):
+def jagged_silu_modulate(h, scale, shift, rows, *, dropout_mask=None, dropout_p=0.0):
     """Same contract as :func:`kernels.pytorch.row_modulate.jagged_silu_modulate`."""
-    return _SiluModulateFn.apply(h, scale, shift, rows)
+    return _SiluModulateFn.apply(h, scale, shift, rows, dropout_mask, float(dropout_p))

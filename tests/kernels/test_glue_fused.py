@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import residual_layer_norm, silu_split
+from kernels import draw_dropout_mask, jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
 from kernels.triton import silu_split as silu_split_module
 
 
@@ -167,3 +167,138 @@ def test_residual_layer_norm_rejects_bad_input():
         residual_layer_norm(x, x.long(), torch.ones(8), torch.zeros(8), 1e-5)
     with pytest.raises(ValueError, match="out_dtype"):
         residual_layer_norm(x, x, torch.ones(8), torch.zeros(8), 1e-5, out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "triton"])
+def test_deferred_residual_gives_the_blocks_result(backend, monkeypatch):
+    """A PFFN whose output the HSTU block adds in its input norm computes what the two modules compute one after the
+    other (same values and gradients), on the references and on the kernels."""
+    from foundation.model.hstu import HSTUBlock
+    from foundation.model.interformer import PersonalizedFFN
+
+    monkeypatch.setenv("GEM_GLUE_BACKEND", backend)
+    torch.manual_seed(0)
+    pffn = PersonalizedFFN(16, 3, 4, 24, dropout=0.0)
+    block = HSTUBlock(16, 2, 8, 8, dropout=0.0, alpha=None, pos_buckets=8, time_buckets=0, attention_norm=0)
+    lengths = torch.tensor([3, 0, 1, 6])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    rows = torch.repeat_interleave(torch.arange(4), lengths)
+    x, summary = torch.randn(10, 16, requires_grad=True), torch.randn(4, 3, 16)
+    timestamps = torch.arange(10)
+    results = []
+    for defer in (False, True):
+        x.grad = None
+        for p in (*pffn.parameters(), *block.parameters()):
+            p.grad = None
+        if defer:
+            seq, branch = pffn(x, rows, summary, defer_residual=True)
+            out = block(seq, offsets, 6, timestamps, branch=branch)
+        else:
+            out = block(pffn(x, rows, summary), offsets, 6, timestamps)
+        out.square().sum().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for p in (*pffn.parameters(), *block.parameters())]
+        results.append((out.detach(), grads))
+    (ref, ref_grads), (out, grads) = results
+    tol = {"rtol": 0, "atol": 0} if backend == "pytorch" else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(out, ref, **tol)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_dropout_references_scale_the_kept_elements():
+    """With a keep mask, the references are the op without dropout times ``mask / (1 - p)``."""
+    g = torch.Generator().manual_seed(1)
+    x, gate, h = torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g)
+    scale, shift, rows = torch.randn(2, 10, generator=g), torch.randn(2, 10, generator=g), torch.tensor([0, 0, 0, 1, 1, 1])
+    mask = torch.rand(6, 10, generator=g) > 0.25
+    w, b = torch.ones(10), torch.zeros(10)
+    plain = layer_norm(x, w, b, 1e-5, gate=gate, backend="pytorch")
+    dropped = layer_norm(x, w, b, 1e-5, gate=gate, dropout_mask=mask, dropout_p=0.25, backend="pytorch")
+    torch.testing.assert_close(dropped, torch.where(mask, plain / 0.75, 0.0))
+    plain = jagged_silu_modulate(h, scale, shift, rows, backend="pytorch")
+    dropped = jagged_silu_modulate(h, scale, shift, rows, dropout_mask=mask, dropout_p=0.25, backend="pytorch")
+    torch.testing.assert_close(dropped, torch.where(mask, plain / 0.75, 0.0))
+
+
+@pytest.mark.parametrize(
+    "tokens,n,dtype",
+    [(21, 48, torch.float32), (1, 33, torch.float32), (0, 16, torch.float32), (9, 100, torch.float16),
+     (7, 96, torch.bfloat16)],
+)
+def test_layer_norm_dropout_triton_matches_reference(tokens, n, dtype):
+    """The gated norm with dropout (the HSTU block's): same mask, same values and gradients on both backends."""
+    g = torch.Generator().manual_seed(tokens + n)
+    x, gate = _leaf(g, tokens, n, dtype=dtype), _leaf(g, tokens, n, dtype=dtype)
+    weight = (1 + 0.3 * torch.randn(n, generator=g)).requires_grad_(True)
+    bias = (0.2 * torch.randn(n, generator=g)).requires_grad_(True)
+    mask, upstream = torch.rand(tokens, n, generator=g) > 0.3, torch.randn(tokens, n, generator=g)
+    leaves = [x, weight, bias, gate]
+    results = {}
+    for backend in ("pytorch", "triton"):
+        for leaf in leaves:
+            leaf.grad = None
+        out = layer_norm(x, weight, bias, 1e-5, scale=0.7, gate=gate, dropout_mask=mask, dropout_p=0.3, backend=backend)
+        (out * upstream.to(dtype)).sum().backward()
+        results[backend] = (out, [leaf.grad.clone() for leaf in leaves])
+    (ref, ref_grads), (out, grads) = results["pytorch"], results["triton"]
+    tol = {k: max(v, 1e-4) for k, v in _tol(dtype).items()}
+    torch.testing.assert_close(out, ref, **tol)
+    assert not out[~mask].any()  # dropped elements are exactly zero
+    for name, a, b in zip(("x", "weight", "bias", "gate"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=name)
+    if tokens:  # a dropped element passes no gradient to its gate
+        assert not grads[3][~mask].any()
+
+
+@pytest.mark.parametrize(
+    "lengths,n,dtype", [([3, 0, 1, 70, 5], 24, torch.float32), ([33, 2, 0], 130, torch.float16), ([0, 0], 8, torch.float32)]
+)
+def test_silu_modulate_dropout_triton_matches_reference(lengths, n, dtype):
+    """The PFFN's modulation with its dropout: same mask, same values and gradients on both backends."""
+    g = torch.Generator().manual_seed(sum(lengths) + n)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    h = _leaf(g, rows.numel(), n, dtype=dtype)
+    scale, shift = _leaf(g, len(lengths), n, dtype=dtype), _leaf(g, len(lengths), n, dtype=dtype)
+    mask, upstream = torch.rand(rows.numel(), n, generator=g) > 0.1, torch.randn(rows.numel(), n, generator=g)
+    results = {}
+    for backend in ("pytorch", "triton"):
+        for leaf in (h, scale, shift):
+            leaf.grad = None
+        out = jagged_silu_modulate(h, scale, shift, rows, dropout_mask=mask, dropout_p=0.1, backend=backend)
+        (out * upstream.to(dtype)).sum().backward()
+        results[backend] = (out, [t.grad.clone() for t in (h, scale, shift)])
+    (ref, ref_grads), (out, grads) = results["pytorch"], results["triton"]
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, ref, **tol)
+    for name, a, b in zip(("h", "scale", "shift"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_dropout_mask_keeps_one_minus_p_and_bad_masks_are_refused():
+    torch.manual_seed(0)
+    mask = draw_dropout_mask((400, 250), 0.1, torch.device("cpu"))
+    assert mask.dtype == torch.bool and abs(mask.float().mean().item() - 0.9) < 0.005
+    x, w, b = torch.randn(3, 8), torch.ones(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="needs a dropout_mask"):
+        layer_norm(x, w, b, 1e-5, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_mask must be bool"):
+        layer_norm(x, w, b, 1e-5, dropout_mask=torch.ones(3, 8), dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_mask must be bool"):
+        layer_norm(x, w, b, 1e-5, dropout_mask=torch.ones(3, 7, dtype=torch.bool), dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        layer_norm(x, w, b, 1e-5, dropout_mask=torch.ones(3, 8, dtype=torch.bool), dropout_p=1.0)
+    with pytest.raises(ValueError, match="needs a dropout_mask"):
+        jagged_silu_modulate(x, x[:1], x[:1], torch.zeros(3, dtype=torch.int64), dropout_p=0.5)
+
+
+def test_blocks_without_dropout_take_the_kernels_path_without_a_mask():
+    """p = 0, or evaluation: no mask drawn (the generator is untouched) and the output is the plain op's."""
+    from foundation.model.norms import fused_dropout
+
+    drop = torch.nn.Dropout(0.2)
+    assert fused_dropout(torch.nn.Dropout(0.0), (3, 4), torch.device("cpu")) == {}
+    assert fused_dropout(drop.eval(), (3, 4), torch.device("cpu")) == {}
+    state = torch.get_rng_state()
+    args = fused_dropout(drop.train(), (3, 4), torch.device("cpu"))
+    assert args["dropout_p"] == 0.2 and args["dropout_mask"].shape == (3, 4)
+    assert not torch.equal(state, torch.get_rng_state())
