@@ -321,6 +321,17 @@ def summarize_counts(
     }
 
 
+def largest_movers(summary: dict, count: int) -> list[tuple[float, str, str]]:
+    """The ``count`` operator sites and Triton kernels that move the most bytes per step: ``(MiB, phase, name)``."""
+    rows = [
+        (n / 2**20, phase, name)
+        for key in ("bytes_by_site", "triton_bytes")
+        for phase, table in summary[key].items()
+        for name, n in table.items()
+    ]
+    return sorted(rows, reverse=True)[:count]
+
+
 def format_counts(summary: dict) -> str:
     """A short table: per phase, operators (launching), Triton launches, host ms, then the kinds."""
     lines = [f"{'phase':10s} {'ops':>8s} {'launching':>10s} {'triton':>7s} {'host ms':>8s}"]
@@ -336,7 +347,8 @@ def format_counts(summary: dict) -> str:
     for p in PHASES:
         lines.append(f"{p} by kind: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["kinds"][p].items()))
     if "bytes_total" in summary:
-        lines.append(f"modelled bytes per step: {summary['bytes_total'] / 2**20:.1f} MiB")
+        lines.append(f"modelled bytes per step: {summary['bytes_total'] / 2**20:.1f} MiB; the largest:")
+        lines += [f"  {mib:10.1f} MiB  {phase:9s} {site}" for mib, phase, site in largest_movers(summary, 12)]
     if summary["sync_sites"]:
         lines.append("would sync on CUDA: " + ", ".join(f"{s} x{n:.0f}" for s, n in summary["sync_sites"].items()))
     return "\n".join(lines)

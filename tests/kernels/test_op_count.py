@@ -101,3 +101,27 @@ def test_the_launch_timer_restores_triton():
     with LaunchTimer().installed():
         assert interpreter.InterpretedFunction.run is not before[1]
     assert (jit.JITFunction.run, interpreter.InterpretedFunction.run) == before
+
+
+def test_modelled_bytes_count_each_tensor_once_and_broadcasts_by_their_storage():
+    from experiments.op_count import tensor_bytes, traffic_bytes
+
+    x, row = torch.randn(5, 8), torch.randn(1, 8)
+    assert tensor_bytes(row.expand(5, 8)) == 8 * 4  # a broadcast view spans one row
+    assert tensor_bytes(x[:, :3]) == 5 * 3 * 4
+    assert traffic_bytes("elementwise", ((x, x), {}), x + x) == 2 * 40 * 4  # x once, the output once
+    assert traffic_bytes("elementwise", ((x, row.expand(5, 8)), {}), x + row) == (40 + 8 + 40) * 4
+    table, ids = torch.randn(1000, 8), torch.tensor([3, 5])
+    assert traffic_bytes("index", ((table, 0, ids), {}), table.index_select(0, ids)) == 2 * 2 * 8 * 4
+
+
+def test_counts_report_bytes_per_site_and_kernel():
+    model, optimizer = tiny_model()
+    counts = count_steps(make_step(model, optimizer), [torch.randn(5, 8) for _ in range(3)], 1)
+    forward = counts["bytes_by_site"]["forward"]
+    # The first linear: addmm reads bias [16], x [5, 8] and weight [16, 8], writes [5, 16] (float32).
+    (addmm,) = [n for site, n in forward.items() if site.startswith("gemm addmm at") and n == (16 + 40 + 128 + 80) * 4]
+    assert addmm
+    # The LayerNorm launch: x and its output [5, 16], weight, bias, mean and rstd [5] (placeholders counted once).
+    assert counts["triton_bytes"]["forward"]["_ln_fwd_kernel"] == (80 + 16 + 16 + 80 + 5 + 5) * 4
+    assert counts["bytes_total"] >= sum(forward.values())
