@@ -79,7 +79,7 @@ class _SiluSplitFn(torch.autograd.Function):
             elif m and width:
                 dy = dy if dy.stride(-1) == 1 else dy.contiguous()
                 _silu_bwd_kernel[_grid(m, width)](
-                    dy, h[:, start:], part, m, width, dy.stride(0), h.stride(0), dh.stride(0),
+                    dy, h[:, start : start + width], part, m, width, dy.stride(0), h.stride(0), dh.stride(0),
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 )
             start += width
