@@ -50,6 +50,31 @@ def _check_float(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out_dtype: torch.dtype | None) -> None:
+    """A floating ``x[..., N]``, ``weight``/``bias`` ``[N]`` on its device, a floating ``out_dtype`` or None."""
+    _check_float("x", x, x.device)
+    n = x.shape[-1] if x.dim() else 0
+    for name, p in (("weight", weight), ("bias", bias)):
+        _check_float(name, p, x.device)
+        if p.shape != (n,):
+            raise ValueError(f"{name} must be [N]=[{n}], got {tuple(p.shape)}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+
+
+def _norm_impl(name: str, backend: str, x: torch.Tensor):
+    """The LayerNorm function ``name`` of the backend that runs ``x`` (the Triton one takes ``N <= MAX_N``)."""
+    if _resolve(backend, x) == "triton":
+        from kernels.triton import layer_norm as module
+
+        n = x.shape[-1] if x.dim() else 0
+        if n > module.MAX_N:
+            raise ValueError(f"the Triton {name} takes N <= {module.MAX_N}, got {n}; use backend='pytorch'")
+    else:
+        from kernels.pytorch import layer_norm as module
+    return getattr(module, name)
+
+
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -83,27 +108,13 @@ def layer_norm(
     Returns:
         x's shape in ``out_dtype``; differentiable in x, weight, bias and gate.
     """
-    _check_float("x", x, x.device)
-    n = x.shape[-1] if x.dim() else 0
-    for name, p in (("weight", weight), ("bias", bias)):
-        _check_float(name, p, x.device)
-        if p.shape != (n,):
-            raise ValueError(f"{name} must be [N]=[{n}], got {tuple(p.shape)}")
+    _check_norm(x, weight, bias, out_dtype)
     if gate is not None:
         _check_float("gate", gate, x.device)
         if gate.shape != x.shape:
             raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
-    if out_dtype is not None and not out_dtype.is_floating_point:
-        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
     _check_dropout(dropout_mask, dropout_p, x.shape, x.device)
-    if _resolve(backend, x) == "triton":
-        from kernels.triton.layer_norm import MAX_N
-        from kernels.triton.layer_norm import layer_norm as impl
-
-        if n > MAX_N:
-            raise ValueError(f"the Triton layer_norm takes N <= {MAX_N}, got {n}; use backend='pytorch'")
-    else:
-        from kernels.pytorch.layer_norm import layer_norm as impl
+    impl = _norm_impl("layer_norm", backend, x)
     return impl(
         x, weight, bias, eps, scale=scale, gate=gate, out_dtype=out_dtype, dropout_mask=dropout_mask, dropout_p=dropout_p
     )
@@ -134,25 +145,11 @@ def residual_layer_norm(
         ``(sum, norm)``: the sum in x's dtype promoted with the branch's, the norm in ``out_dtype``; differentiable in
         x, branch, weight and bias.
     """
-    _check_float("x", x, x.device)
+    _check_norm(x, weight, bias, out_dtype)
     _check_float("branch", branch, x.device)
     if branch.shape != x.shape or x.dim() == 0:
         raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
-    n = x.shape[-1]
-    for name, p in (("weight", weight), ("bias", bias)):
-        _check_float(name, p, x.device)
-        if p.shape != (n,):
-            raise ValueError(f"{name} must be [N]=[{n}], got {tuple(p.shape)}")
-    if out_dtype is not None and not out_dtype.is_floating_point:
-        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
-    if _resolve(backend, x) == "triton":
-        from kernels.triton.layer_norm import MAX_N
-        from kernels.triton.layer_norm import residual_layer_norm as impl
-
-        if n > MAX_N:
-            raise ValueError(f"the Triton residual_layer_norm takes N <= {MAX_N}, got {n}; use backend='pytorch'")
-    else:
-        from kernels.pytorch.layer_norm import residual_layer_norm as impl
+    impl = _norm_impl("residual_layer_norm", backend, x)
     return impl(x, branch, weight, bias, eps, out_dtype=out_dtype)
 
 

@@ -1,9 +1,9 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
-``U, V, Q, K = silu(W·LN(x))`` (split with :func:`kernels.silu_split`); ``A = silu(alpha·QKᵀ + rel_bias)/N · V`` (causal, through
-:func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm and its dropout one fused kernel
-(:func:`kernels.layer_norm`). The relative bias is a learned
-per-head table over position distance plus one over log time-difference buckets.
+``U, V, Q, K = silu(W·LN(x))`` (one :func:`kernels.silu_split`); ``A = silu(alpha·QKᵀ + rel_bias)/N · V``
+(causal, through :func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm and its
+dropout one fused kernel (:func:`kernels.layer_norm`). The relative bias is a learned per-head table over
+position distance plus one over log time-difference buckets.
 
 ``N`` is fixed by the config (the longest sequence the model is sized for), not the batch's
 longest sequence as the kernel uses, so that a user's representation does not depend on which
@@ -103,8 +103,8 @@ class HSTUBlock(nn.Module):
             themselves only (CLS and candidate tokens).
         query_timestamps: ``[L]`` int64 or None: the times queries measure the time bias from
             (None: ``timestamps``).
-            branch: ``[L, d]`` or None: the previous block's output, not yet added to ``x`` (its
-                ``defer_residual``); added here in the input norm's pass, the block's input being ``x + branch``.
+        branch: ``[L, d]`` or None: the previous block's output, not yet added to ``x`` (its
+            ``defer_residual``); added here in the input norm's pass, the block's input being ``x + branch``.
         """
         normed = None
         if branch is not None:
