@@ -122,7 +122,7 @@ def layer_norm(
 
 def residual_layer_norm(
     x: torch.Tensor,
-    branch: torch.Tensor,
+    branch: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
@@ -131,11 +131,12 @@ def residual_layer_norm(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + branch, LN(x + branch).to(out_dtype))``: a block's output added to the residual stream, and the stream's
-    norm for the next block, in one pass each way (the Triton backward also adds the stream's own gradient).
+    norm for the next block, in one pass each way (the Triton backward also adds the stream's own gradient, so a
+    stream normalised with no branch, ``branch=None``, saves that add).
 
     Args:
         x: ``[..., N]`` the residual stream (float32 under autocast).
-        branch: ``[..., N]``, x's shape: the block's output (the autocast dtype).
+        branch: ``[..., N]``, x's shape: the block's output (the autocast dtype); or None: the sum is ``x``.
         weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
         eps: the LayerNorm epsilon.
         out_dtype: the norm's dtype; None: the sum's.
@@ -146,9 +147,12 @@ def residual_layer_norm(
         x, branch, weight and bias.
     """
     _check_norm(x, weight, bias, out_dtype)
-    _check_float("branch", branch, x.device)
-    if branch.shape != x.shape or x.dim() == 0:
-        raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
+    if x.dim() == 0:
+        raise ValueError("x must have a feature axis, got a scalar")
+    if branch is not None:
+        _check_float("branch", branch, x.device)
+        if branch.shape != x.shape:
+            raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
     impl = _norm_impl("residual_layer_norm", backend, x)
     return impl(x, branch, weight, bias, eps, out_dtype=out_dtype)
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from foundation.model.jagged import RecentTokens
-from foundation.model.norms import apply_layer_norm, fused_dropout
+from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm, fused_dropout
 from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_cross_attention, jagged_silu_modulate
 
@@ -50,7 +50,9 @@ class PersonalizedFFN(nn.Module):
         norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream instead of two.
         """
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
-        up = self.up(apply_layer_norm(self.norm, x))
+        # The stream passes through the norm's op, whose backward adds its gradient to the norm's in one pass.
+        x, normed = apply_residual_layer_norm(self.norm, x, None)
+        up = self.up(normed)
         hidden = jagged_silu_modulate(up, 1 + gain, shift, rows, **fused_dropout(self.dropout, up.shape, up.device))
         branch = self.down(hidden)
         return (x, branch) if defer_residual else x + branch

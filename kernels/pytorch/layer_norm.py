@@ -40,7 +40,7 @@ def layer_norm(
 
 def residual_layer_norm(
     x: torch.Tensor,
-    branch: torch.Tensor,
+    branch: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
@@ -51,9 +51,9 @@ def residual_layer_norm(
 
     Args:
         x: ``[..., N]`` the residual stream.
-        branch: ``[..., N]`` (x's shape) the block's output.
+        branch: ``[..., N]`` (x's shape) the block's output, or None (``s`` is x).
         weight, bias: ``[N]``.
         out_dtype: the norm's dtype; None means the sum's (x's dtype promoted with the branch's).
     """
-    total = x + branch
+    total = x if branch is None else x + branch
     return total, layer_norm(total, weight, bias, eps, out_dtype=out_dtype)

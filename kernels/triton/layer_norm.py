@@ -14,7 +14,7 @@ for both).
 branch (a block's output added to the float32 residual stream, normalised for the next block). Eager writes
 ``s``, then reads it again for the norm; backward, it adds the norm's input gradient to the stream's in a pass of
 its own and casts the sum for the branch in another. Here the norm's backward reads the stream's gradient and
-writes both inputs' gradients.
+writes both inputs' gradients. Without a branch the stream passes through and only that gradient add is saved.
 
 Forward: one program per row, the whole row in one ``BLOCK_N`` tile (``N`` up to 16,384).
 Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -211,19 +211,23 @@ class _ResidualLayerNormFn(torch.autograd.Function):
     def forward(ctx, x, branch, weight, bias, eps, out_dtype):
         s2, _, y, mean, rstd = _forward(x, weight, bias, None, branch, 1.0, eps, out_dtype)
         ctx.save_for_backward(s2, weight, bias, mean, rstd)
-        ctx.shape, ctx.dtypes = x.shape, (x.dtype, branch.dtype)
+        ctx.shape, ctx.dtypes = x.shape, (x.dtype, branch.dtype if branch is not None else None)
         ctx.set_materialize_grads(False)
-        return s2.view(x.shape), y.view(x.shape)
+        # Without a branch the stream passes through (a view of x): its gradient still arrives here.
+        stream = x.view_as(x) if branch is None else s2.view(x.shape)
+        return stream, y.view(x.shape)
 
     @staticmethod
     def backward(ctx, ds, dy):
         s2, weight, bias, mean, rstd = ctx.saved_tensors
+        x_dtype, branch_dtype = ctx.dtypes
         if dy is None:  # the norm's output unused: the sum's gradient is both inputs'
-            return ds.to(ctx.dtypes[0]), ds.to(ctx.dtypes[1]), None, None, None, None
+            return ds.to(x_dtype), ds.to(branch_dtype) if branch_dtype else None, None, None, None, None
         dx, dr, grad_w, grad_b, _ = _backward(
-            dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=ctx.dtypes[1]
+            dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype
         )
-        return dx.to(ctx.dtypes[0]).view(ctx.shape), dr.view(ctx.shape), grad_w, grad_b, None, None
+        dr = dr.view(ctx.shape) if dr is not None else None
+        return dx.to(x_dtype).view(ctx.shape), dr, grad_w, grad_b, None, None
 
 
 def _num_warps(block_n: int) -> int:
@@ -238,5 +242,5 @@ def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None, dr
 
 def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None):
     """Same contract as :func:`kernels.pytorch.layer_norm.residual_layer_norm` (``N <= MAX_N``)."""
-    total = torch.promote_types(x.dtype, branch.dtype)
+    total = torch.promote_types(x.dtype, branch.dtype) if branch is not None else x.dtype
     return _ResidualLayerNormFn.apply(x, branch, weight, bias, float(eps), out_dtype or total)

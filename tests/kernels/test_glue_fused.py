@@ -120,28 +120,35 @@ def test_residual_layer_norm_reference_is_add_then_layer_norm():
     ],
 )
 @pytest.mark.parametrize("stream_used", [True, False])  # the sum read downstream (the residual stream) or not
-def test_residual_layer_norm_triton_matches_reference(tokens, n, dtype, out_dtype, stream_used):
+@pytest.mark.parametrize("with_branch", [True, False])  # False: the stream passes through the norm
+def test_residual_layer_norm_triton_matches_reference(tokens, n, dtype, out_dtype, stream_used, with_branch):
     x, branch, weight, bias, g = _residual_case(tokens, n, dtype, seed=tokens * n + stream_used)
+    branch = branch if with_branch else None
     upstream_sum, upstream_norm = torch.randn(tokens, n, generator=g), torch.randn(tokens, n, generator=g)
     leaves = [x, branch, weight, bias]
     results = {}
     for backend in ("pytorch", "triton"):
         for leaf in leaves:
-            leaf.grad = None
-        total, normed = residual_layer_norm(x, branch, weight, bias, 1e-5, out_dtype=out_dtype, backend=backend)
+            if leaf is not None:
+                leaf.grad = None
+        # x enters as the output of an op, as the residual stream does in a model.
+        total, normed = residual_layer_norm(x * 1, branch, weight, bias, 1e-5, out_dtype=out_dtype, backend=backend)
         loss = (normed * upstream_norm.to(normed.dtype)).sum()
         if stream_used:
-            loss = loss + (total * upstream_sum).sum()
+            loss = loss + (total * upstream_sum.to(total.dtype)).sum()
         loss.backward()
-        results[backend] = (total, normed, [leaf.grad.clone() for leaf in leaves])
+        results[backend] = (total, normed, [None if leaf is None else leaf.grad.clone() for leaf in leaves])
     (ref_sum, ref_norm, ref_grads), (total, normed, grads) = results["pytorch"], results["triton"]
-    assert total.dtype == ref_sum.dtype == torch.float32 and normed.dtype == ref_norm.dtype
-    torch.testing.assert_close(total, ref_sum, rtol=0, atol=0)  # one float32 add in both
+    assert total.dtype == ref_sum.dtype and normed.dtype == ref_norm.dtype
+    torch.testing.assert_close(total, ref_sum, rtol=0, atol=0)  # one float32 add (or none) in both
     # float32 LayerNorm sums in another order; a half-precision output or branch rounds once more.
-    low = dtype if dtype != torch.float32 else out_dtype or torch.float32
+    low = dtype if dtype != torch.float32 and with_branch else out_dtype or torch.float32
     tol = {k: max(v, 1e-4) for k, v in _tol(low).items()}
     torch.testing.assert_close(normed, ref_norm, **tol)
     for name, a, b in zip(("x", "branch", "weight", "bias"), grads, ref_grads, strict=True):
+        if b is None:
+            assert a is None, name
+            continue
         assert a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, **tol, msg=name)
 
