@@ -12,14 +12,14 @@ inside the first forward and backward. This module takes that work off the step 
    (``num_warps``, ``num_stages``, ...). Launches with equal keys are one spec. A launch that would autotune
    (no checked-in config) records every config the autotuner would compile instead
    (:func:`kernels.triton.jagged_attention._launch` asks :func:`recording`).
-2. :func:`precompile`: a process pool compiles the specs, each worker through the JIT's own
-   ``warmup(...)`` on the target device with stand-ins of the recorded pointers (dtype and address modulo 16)
-   and the recorded scalars, so each artifact lands in the shared on-disk cache (``TRITON_CACHE_DIR``) under
-   the key the real launch looks up. A worker also builds the kernel's launcher, which Triton 3.6 compiles
-   with the host C compiler, per argument signature, at a kernel's first launch. Processes, not threads:
-   Triton's compile holds the GIL through its Python passes. The workers come from a fork server that
-   imported the kernel modules once (``forkserver``: the pool never forks the CUDA-initialised caller, and
-   each worker starts without re-importing torch or the caller's ``__main__``).
+2. :func:`precompile`: worker processes (:class:`KernelCompilePool`) compile the specs, each through the
+   JIT's own ``warmup(...)`` on the target device with stand-ins of the recorded pointers (dtype and address
+   modulo 16) and the recorded scalars, so each artifact lands in the shared on-disk cache
+   (``TRITON_CACHE_DIR``) under the key the real launch looks up. A worker also builds the kernel's launcher,
+   which Triton 3.6 compiles with the host C compiler, per argument signature, at a kernel's first launch.
+   Processes, not threads: Triton's compile runs its passes under the GIL. Each worker is a fresh
+   ``python -m kernels.precompile``: never a fork of the CUDA-initialised caller, and, unlike a
+   ``multiprocessing`` child, it does not re-import the caller's ``__main__`` (a whole training stack).
 
 In Triton's interpreter (``TRITON_INTERPRET=1``) or without CUDA nothing is compiled: :func:`precompile` logs
 one line and returns. A spec that fails to compile (in a worker, or a pool that cannot start) costs one logged
@@ -28,17 +28,20 @@ line; the JIT then compiles that kernel at its launch as it would have without t
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import inspect
-import multiprocessing
 import os
+import pickle
 import pkgutil
+import queue
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -216,49 +219,91 @@ def default_workers() -> int:
 
 
 class KernelCompilePool:
-    """A pool of compile workers, started ahead of the specs so that their start-up (a fork server importing the
-    kernel modules, each worker's CUDA set-up) overlaps whatever the caller does meanwhile (building the
-    model, the first batch). :meth:`compile` runs specs; :meth:`close` ends the workers.
+    """Compile workers, started ahead of the specs so that their start-up (importing torch, Triton and the kernel
+    modules; setting up the driver) overlaps whatever the caller does meanwhile (building the model, the first
+    batch). :meth:`compile` runs specs, costliest first, each on the next free worker; :meth:`close` ends them.
 
-    ``device``: the CUDA device index the kernels are compiled for. ``modules``: what the fork server imports
-    before forking the workers (every module of :mod:`kernels.triton` by default).
+    Each worker is ``python -m kernels.precompile`` (module doc: why processes, and why not forks of the caller
+    or of a ``multiprocessing`` server, whose children re-import the caller's ``__main__``). It sees the caller's
+    ``sys.path`` and environment (so the same ``TRITON_CACHE_DIR``), compiles for CUDA device ``device``, and
+    imports ``modules`` first (every module of :mod:`kernels.triton` by default).
     """
 
     def __init__(self, workers: int | None = None, *, device: int = 0, modules: Sequence[str] | None = None) -> None:
         self.workers = workers or default_workers()
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__, *(modules if modules is not None else kernel_modules())])
-        self.executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
-        # One task per worker: the executor starts a process for each, and each sets up its driver.
-        self.ready = [self.executor.submit(_start_worker, device) for _ in range(self.workers)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        preload = ",".join(modules if modules is not None else kernel_modules())
+        command = [sys.executable, "-m", __name__, "--device", str(device), "--preload", preload]
+        self.processes = [
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            for _ in range(self.workers)
+        ]
 
     def compile(self, specs: Sequence[LaunchSpec]) -> PrecompileReport:
         """Compile ``specs`` (costliest first, see :func:`_cost`), wait for them, report; never raises."""
         start = time.perf_counter()
-        report = PrecompileReport(specs=len(specs), workers=self.workers)
-        ordered = sorted(specs, key=_cost, reverse=True)
-        try:
-            futures = [(spec, self.executor.submit(_compile_spec, spec)) for spec in ordered]
-        except Exception as err:  # a broken pool: nothing is compiled ahead; the JIT compiles at launch
-            report.failed = [f"{spec.name}: {_one_line(err)}" for spec in ordered]
-            futures = []
-        for spec, future in futures:
-            try:
-                future.result()
-                report.compiled += 1
-            except Exception as err:
-                report.failed.append(f"{spec.name}: {_one_line(err)}")
-        report.seconds = time.perf_counter() - start
-        return report
+        tasks: queue.SimpleQueue = queue.SimpleQueue()
+        for spec in sorted(specs, key=_cost, reverse=True):
+            tasks.put(spec)
+        outcomes: list[tuple[LaunchSpec, str | None]] = []
+        threads = [threading.Thread(target=_serve, args=(p, tasks, outcomes), daemon=True) for p in self.processes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        while not tasks.empty():  # every worker died before these
+            outcomes.append((tasks.get(), "no compile worker left"))
+        failed = [f"{spec.name}: {error}" for spec, error in outcomes if error is not None]
+        return PrecompileReport(
+            specs=len(specs), compiled=len(outcomes) - len(failed), failed=failed,
+            seconds=time.perf_counter() - start, workers=self.workers,
+        )
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        for process in self.processes:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
     def __enter__(self) -> KernelCompilePool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _serve(process: subprocess.Popen, tasks: queue.SimpleQueue, outcomes: list) -> None:
+    """Feed ``process`` specs from ``tasks`` one at a time until none is left or the worker dies."""
+    while True:
+        try:
+            spec = tasks.get_nowait()
+        except queue.Empty:
+            return
+        try:
+            _send(process.stdin, spec)
+            outcomes.append((spec, _receive(process.stdout)))
+        except (OSError, EOFError, pickle.UnpicklingError) as err:
+            code = process.poll()
+            outcomes.append((spec, f"compile worker died ({_one_line(err)}; exit code {code})"))
+            return
+
+
+def _send(stream, obj) -> None:
+    data = pickle.dumps(obj)
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _receive(stream):
+    size = stream.read(8)
+    if len(size) < 8:
+        raise EOFError("compile worker closed its pipe")
+    return pickle.loads(stream.read(int.from_bytes(size, "little")))
 
 
 def precompile(
@@ -323,7 +368,7 @@ def _cost(spec: LaunchSpec) -> int:
     """A deterministic guess of a spec's compile time, for longest-first scheduling: its kernel's source length."""
     try:
         return len(inspect.getsource(_resolve(spec.kernel).fn))
-    except (OSError, TypeError, ImportError, AttributeError):
+    except (OSError, TypeError, ImportError, LookupError):
         return 0
 
 
@@ -340,15 +385,6 @@ def _resolve(kernel: str):
     return found
 
 
-def _start_worker(device: int) -> None:
-    """A worker's set-up: its CUDA device and Triton's driver (whose helper module Triton builds on first use)."""
-    from triton.runtime import driver
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device)
-    driver.active.get_current_target()
-
-
 def _compile_spec(spec: LaunchSpec) -> None:
     """In a worker: compile ``spec`` into the on-disk cache through the kernel's ``warmup``, and build its launcher."""
     from triton.runtime import driver
@@ -357,3 +393,51 @@ def _compile_spec(spec: LaunchSpec) -> None:
     launcher = getattr(driver.active, "launcher_cls", None)
     if compiled is not None and launcher is not None:
         launcher(compiled.src, compiled.metadata)
+
+
+def _worker(device: int, preload: list[str]) -> None:
+    """A compile worker: set up, then compile each spec read from stdin, answering None or the error's line.
+
+    The answers go to the original stdout; everything else that writes to file descriptor 1 (Triton's tools,
+    stray prints) goes to stderr instead, so it cannot corrupt them.
+    """
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    requests = sys.stdin.buffer
+    try:
+        _set_up_worker(device, preload)
+        broken = None
+    except Exception as err:  # every spec is answered with it: the caller logs one line
+        broken = f"worker set-up: {_one_line(err)}"
+    while True:
+        try:
+            spec = _receive(requests)
+        except EOFError:
+            return
+        error = broken
+        if error is None:
+            try:
+                _compile_spec(spec)
+            except Exception as err:
+                error = _one_line(err)
+        _send(answers, error)
+
+
+def _set_up_worker(device: int, preload: list[str]) -> None:
+    for module in preload:
+        importlib.import_module(module)
+    from triton.runtime import driver
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    # The driver's first use builds its helper module (cached): done here, while the caller is still busy.
+    driver.active.get_current_target()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a kernel compile worker (KernelCompilePool starts these)")
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--preload", default="")
+    options = parser.parse_args()
+    _worker(options.device, [m for m in options.preload.split(",") if m])
