@@ -40,13 +40,15 @@ def record_step(
     device = batch.candidate.device
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = [(b, b.clone()) for b in model.buffers()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), record_launches() as record:
-        with autocast(device, autocast_dtype):
-            loss = model.loss(batch, forward(batch))["loss"]
-        torch.autograd.grad(loss, params, allow_unused=True)
-    with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), record_launches() as record:
+            with autocast(device, autocast_dtype):
+                loss = model.loss(batch, forward(batch))["loss"]
+            torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     return record
 
 
@@ -63,17 +65,22 @@ def precompile_step(
     """Record the step's launches on ``batch`` (:func:`record_step`) and compile them into Triton's cache
     (:func:`kernels.precompile.precompile`, in ``pool`` when given) before the real step runs.
 
-    A logged no-op where nothing compiles (Triton's interpreter, no CUDA). Never raises for a kernel that fails
-    to compile: that one compiles at its launch, as without this. Returns ``{"specs", "launches", "record_s",
+    A logged no-op where nothing compiles (Triton's interpreter, no CUDA). Never raises: a kernel that fails to
+    compile, or a step that fails to record (the real step will then meet the same error), costs one logged line,
+    and the kernels compile at their launches, as without this. Returns ``{"specs", "launches", "record_s",
     "compiled", "failed", "compile_s", "workers", "skipped"}``.
     """
     reason = skip_reason(["step"])
+    start = time.perf_counter()
+    if not reason:
+        try:
+            record = record_step(model, batch, autocast_dtype=autocast_dtype, forward=forward)
+        except Exception as err:
+            reason = f"recording the step failed: {type(err).__name__}: {str(err).strip()[:200]}"
     if reason:
         log(f"kernel precompile: skipped ({reason})")
         return {"specs": 0, "launches": 0, "record_s": 0.0, "compiled": 0, "failed": [], "compile_s": 0.0,
                 "workers": 0, "skipped": reason}
-    start = time.perf_counter()
-    record = record_step(model, batch, autocast_dtype=autocast_dtype, forward=forward)
     if batch.candidate.is_cuda:
         torch.cuda.synchronize(batch.candidate.device)
     record_s = time.perf_counter() - start

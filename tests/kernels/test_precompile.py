@@ -223,3 +223,19 @@ def test_the_pool_fills_the_cache_the_real_launches_read(tmp_path):
     assert result["failed"] == [] and result["compiled"] == result["specs"] == 2
     assert result["cache_entries"] == 2
     assert result["entries_added_by_the_real_launches"] == []
+
+
+def test_a_step_that_fails_to_record_costs_one_line(monkeypatch):
+    """Where the pool would run, a step whose recording raises is skipped with one line; the caller goes on."""
+    import gem.precompile
+
+    class Broken(torch.nn.Module):
+        def forward(self, batch):
+            raise ValueError("no such feature: user_age")
+
+    monkeypatch.setattr(gem.precompile, "skip_reason", lambda specs: "")
+    lines: list[str] = []
+    result = precompile_step(Broken(), make_batch(CTR_SCHEMA, [2]), autocast_dtype=None, log=lines.append)
+    assert result["specs"] == 0
+    assert lines == ["kernel precompile: skipped (recording the step failed: ValueError: no such feature: user_age)"]
+    assert not recording()
