@@ -233,6 +233,9 @@ def test_a_step_that_fails_to_record_costs_one_line(monkeypatch):
         def forward(self, batch):
             raise ValueError("no such feature: user_age")
 
+        def loss(self, batch, output):
+            return {"loss": output}
+
     monkeypatch.setattr(gem.precompile, "skip_reason", lambda specs: "")
     lines: list[str] = []
     result = precompile_step(Broken(), make_batch(CTR_SCHEMA, [2]), autocast_dtype=None, log=lines.append)
