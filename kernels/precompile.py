@@ -429,7 +429,7 @@ def _set_up_worker(device: int, preload: list[str]) -> None:
         importlib.import_module(module)
     from triton.runtime import driver
 
-    if torch.cuda.is_available():
+    if device:  # a context on device 0 would cost memory and time for nothing: a compile needs none
         torch.cuda.set_device(device)
     # The driver's first use builds its helper module (cached): done here, while the caller is still busy.
     driver.active.get_current_target()
