@@ -242,3 +242,20 @@ def test_a_step_that_fails_to_record_costs_one_line(monkeypatch):
     assert result["specs"] == 0
     assert lines == ["kernel precompile: skipped (recording the step failed: ValueError: no such feature: user_age)"]
     assert not recording()
+
+
+def test_the_harness_switch_is_on_for_one_device_and_adds_the_callback():
+    from foundation.config import apply_overrides
+    from gem.flavors import get_flavor
+    from gem.step_options import step_options
+    from gem.train import PrecompileKernels, build_trainer
+
+    def resolved(*overrides: str):
+        cfg = apply_overrides(get_flavor("teacher-large"), list(overrides))
+        return cfg, step_options(cfg, has_lookups=True)[0].precompile_kernels
+
+    cfg, on = resolved()
+    assert on and any(isinstance(c, PrecompileKernels) for c in build_trainer(cfg, None, None).callbacks)
+    cfg, off = resolved("train.precompile_kernels=false")
+    assert not off and not any(isinstance(c, PrecompileKernels) for c in build_trainer(cfg, None, None).callbacks)
+    assert not resolved("parallel.enabled=true")[1]
