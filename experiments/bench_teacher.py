@@ -52,6 +52,17 @@ a proxy for the GPU step's host work. Trailing ``field=value`` arguments overrid
         --steps 0 --count-ops 3 --rows 256 --examples 3000 --items 2000 --workers 0 --token-budget 512 \
         --max-history 64 --data /tmp/world-small --backend triton --glue-backend triton
 
+``--precompile`` (default on CUDA) records the first batch's Triton launches before its step and compiles them in
+``--precompile-workers`` processes started before the model build (:mod:`gem.precompile`,
+:mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one after another inside
+the first step; ``precompile_s`` (recording and compiling) is part of the first step's time. Fresh-machine
+measurement (an empty cache each run)::
+
+    TRITON_CACHE_DIR=$(mktemp -d) python -m experiments.bench_teacher --flavor large --data /tmp/world \
+        --max-history 512 --token-budget 16384 --steps 10 --no-precompile --json /tmp/cold_jit.json
+    TRITON_CACHE_DIR=$(mktemp -d) python -m experiments.bench_teacher --flavor large --data /tmp/world \
+        --max-history 512 --token-budget 16384 --steps 10 --precompile --json /tmp/cold_precompiled.json
+
 ``--backend pytorch`` runs every attention of the model on the padded PyTorch reference (through
 the kernel switch ``backend``); it materialises ``[B, H, N, N]`` score tensors, so pair it with a
 short ``--max-history`` and a small budget. On CUDA out-of-memory the run retries at half the
@@ -109,6 +120,8 @@ from foundation.model.precision import CastOnce  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
 from gem.loop import GraphConfig, StaticStep  # noqa: E402
+from gem.precompile import precompile_step  # noqa: E402
+from kernels.precompile import KernelCompilePool, skip_reason  # noqa: E402
 from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
 
 PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
@@ -136,8 +149,10 @@ def prepare_world(args: argparse.Namespace, directory: Path) -> dict:
     }
 
 
-def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict) -> dict:
-    """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses."""
+def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict, pool=None) -> dict:
+    """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses. With
+    ``args.precompile``, the first batch's kernels are compiled first (in ``pool`` when given), inside the
+    first step's time."""
     use_cuda = device.type == "cuda"
     stream = EventStream(data_dir, "train", data_cfg, training=True)
     times, flops, tokens, rows, max_lens, losses, padded = [], [], [], [], [], [], []
@@ -168,6 +183,13 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
         rows.append(real)
         max_lens.append(int(batch.lengths[:real].max()) if real else 0)
         padded.append(isinstance(batch, PaddedBatch))
+        if args.precompile and "precompile" not in marks:
+            marks["precompile"] = precompile_step(
+                model, batch.to(device), autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None,
+                pool=pool, workers=args.precompile_workers or None, log=log_line,
+            )
+            if pool is not None:
+                pool.close()
         loss = step(batch)
         now = time.perf_counter()
         losses.append(float(loss.detach()))
@@ -361,6 +383,8 @@ def record_row(path: Path, result: dict, command: str, label: str | None) -> dic
         "date": datetime.date.today().isoformat(),
         "device": result["device_name"],
     }
+    if result.get("precompile_s") is not None:
+        row["precompile_s"] = result["precompile_s"]
     if label:
         row["label"] = label
     table = json.loads(path.read_text()) if path.is_file() else {"rows": []}
@@ -389,6 +413,8 @@ def run(args: argparse.Namespace) -> dict:
         if max_history > cfg.max_len:
             raise ValueError(f"--max-history {max_history} exceeds the flavor's max_len {cfg.max_len}")
         marks: dict = {"build_start": time.perf_counter()}
+        # Started before the build, so that the compile workers' start-up overlaps it and the first batch.
+        pool = compile_pool(args, device)
         model = build_teacher(cfg, schema).to(device)
         # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -412,7 +438,7 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
             oom = False
             try:
-                trace = train(model, optimizer, data_dir, data_cfg, args, device, marks)
+                trace = train(model, optimizer, data_dir, data_cfg, args, device, marks, pool)
             except torch.cuda.OutOfMemoryError as err:
                 oom = True
                 print(f"OOM at token budget {budget}: {str(err).splitlines()[0]}", flush=True)
@@ -445,6 +471,8 @@ def run(args: argparse.Namespace) -> dict:
             "build_s": marks["build_s"],
             "first_step_from_process_start_s": marks.get("first_step_process_s"),
             "first_step_from_build_s": marks.get("first_step_from_build_s"),
+            "precompile": marks.get("precompile"),
+            "precompile_s": precompile_seconds(marks.get("precompile")),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             **summarize(trace, args.warmup, peak),
             "trace": trace,
@@ -469,6 +497,18 @@ def teacher_config(args: argparse.Namespace):
     apply_overrides(cfg, args.overrides)
     cfg.check()
     return cfg
+
+
+def compile_pool(args: argparse.Namespace, device: torch.device) -> KernelCompilePool | None:
+    """With ``--precompile`` where kernels compile (CUDA, not the interpreter): the compile workers, started now."""
+    if not args.precompile or device.type != "cuda" or skip_reason(["step"]):
+        return None
+    return KernelCompilePool(args.precompile_workers or None, device=device.index or 0)
+
+
+def precompile_seconds(report: dict | None) -> float | None:
+    """Recording plus compiling the first step's kernels (None without ``--precompile``)."""
+    return report["record_s"] + report["compile_s"] if report else None
 
 
 def _triton_version() -> str | None:
@@ -530,6 +570,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--graph-warmup", type=int, default=1, help="eager steps per bucket before its capture")
     parser.add_argument(
+        "--precompile", action=argparse.BooleanOptionalAction, default=None,
+        help="before the first step, record its Triton launches and compile them in a process pool (default: on "
+        "CUDA); reported as precompile_s, inside the first step's time",
+    )
+    parser.add_argument(
+        "--precompile-workers", type=int, default=0, help="compile processes (0: min(16, CPU count))"
+    )
+    parser.add_argument(
         "--count-ops", type=int, default=0, metavar="N",
         help="after the timed steps, count the ATen operators and Triton launches of N steps, then time the host of N more",
     )
@@ -549,6 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.precompile is None:
+        args.precompile = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if args.cuda_graphs and not args.bucketed:
         raise SystemExit("--cuda-graphs replays static shapes: pass --bucketed ROWS too")
     if args.compare_losses and not Path(args.compare_losses).is_file():

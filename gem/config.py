@@ -57,7 +57,8 @@ class TrainConfig:
     workers, and trained through :class:`~gem.loop.StaticStep` on static buffers per bucket; empty: off);
     ``cuda_graphs`` (with ``bucket_rows``, on CUDA: each bucket's dense forward and backward are captured into
     a CUDA graph after ``graph_warmup`` eager steps and replayed). Single-device only: under
-    ``parallel.enabled`` they are off, with one logged line.
+    ``parallel.enabled`` they are off, with one logged line. ``precompile_kernels`` (on CUDA, single device):
+    the first step's Triton kernels are compiled in parallel before it runs (:mod:`gem.precompile`).
     """
 
     max_epochs: int = 1
@@ -84,6 +85,7 @@ class TrainConfig:
     bucket_rows: tuple[int, ...] = ()
     cuda_graphs: bool = False
     graph_warmup: int = 2
+    precompile_kernels: bool = True
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""Which form of the training step a run takes: the resolved ``train.cast_once``, ``train.bucket_rows`` and
-``train.cuda_graphs`` switches (:class:`gem.config.TrainConfig`).
+"""Which form of the training step a run takes: the resolved ``train.cast_once``, ``train.bucket_rows``,
+``train.cuda_graphs`` and ``train.precompile_kernels`` switches (:class:`gem.config.TrainConfig`).
 
-All three are for one device: a parallel strategy reduces the gradients in its own backward hooks (which
+All four are for one device (a process pool compiling kernels for each of many ranks would oversubscribe the
+host): a parallel strategy reduces the gradients in its own backward hooks (which
 :class:`~gem.loop.StaticStep`'s ``torch.autograd.grad`` does not fire), splits batches by rows (which a padded
 batch does not survive) and keeps its own mixed precision, so under ``parallel.enabled`` they are off, said
 in one line. The static step also needs a model whose lookups run apart (``look_up``, the GEM teacher) and a
@@ -34,12 +35,15 @@ class StepOptions:
         cast_once: parameters cast once per step (:class:`~foundation.model.precision.CastOnce`).
         shapes: the static shapes training batches are padded to, or None (plain batches, the plain step).
         graphs: how :class:`~gem.loop.StaticStep` runs the dense part (with ``shapes`` only).
+        precompile_kernels: compile the first step's Triton kernels in parallel before it runs
+            (:class:`gem.train.PrecompileKernels`; a logged no-op off CUDA).
     """
 
     autocast_dtype: torch.dtype | None
     cast_once: bool
     shapes: StaticShapes | None
     graphs: GraphConfig
+    precompile_kernels: bool = False
 
 
 def step_options(cfg: ExperimentConfig, has_lookups: bool) -> tuple[StepOptions, list[str]]:
@@ -69,13 +73,14 @@ def step_options(cfg: ExperimentConfig, has_lookups: bool) -> tuple[StepOptions,
     if train.graph_warmup < 0:
         raise ConfigError(f"train.graph_warmup={train.graph_warmup} must be 0 or more")
     cast_once = train.cast_once and autocast_dtype == torch.bfloat16
+    precompile = train.precompile_kernels
     if cfg.parallel.enabled:
         asked = [name for name, on in (("cast_once", cast_once), ("bucket_rows", shapes), ("cuda_graphs", train.cuda_graphs)) if on]
         if asked:
             notes.append(f"train.{', train.'.join(asked)} off: parallel.enabled (single-device switches); the plain step runs")
-        cast_once, shapes = False, None
+        cast_once, shapes, precompile = False, None, False
     elif shapes is not None and precision in SCALED:
         notes.append(f"train.bucket_rows off: train.precision={precision} scales the loss, which the static step does not; the plain step runs")
         shapes = None
     graphs = GraphConfig(cuda_graphs=bool(train.cuda_graphs and shapes is not None), warmup_steps=train.graph_warmup)
-    return StepOptions(autocast_dtype, cast_once, shapes, graphs), notes
+    return StepOptions(autocast_dtype, cast_once, shapes, graphs, precompile), notes

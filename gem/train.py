@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +38,7 @@ from gem.datamodule import EventDataModule
 from gem.errors import ResumeError, TrainingError
 from gem.logs import route_library_loggers
 from gem.module import RecModule
+from gem.precompile import precompile_step
 from gem.run_dir import RUN_CONFIG_FILE, check_same_run, record_config, remove_stale_temps, train_lock
 from gem.tracking import (
     MetricRecorder,
@@ -46,6 +48,7 @@ from gem.tracking import (
     open_training_run,
     reject_run,
 )
+from kernels.precompile import KernelCompilePool, skip_reason
 from kernels.settings import effective_kernel_settings, kernel_environment
 from transfer.sharing import SharingError
 from transfer.teacher_outputs import MANIFEST_FILE, TeacherOutputsError
@@ -57,6 +60,7 @@ REJECTIONS = (
     TeacherOutputsError, TrainingError, ResumeError,
 )
 PARAMS_LOGGED_TAG = "gem.params_logged"
+_log = logging.getLogger(__name__)
 PLOTTED_METRICS = ("train/loss", "val/loss", *(f"val/{task}/ne" for task in TASKS), "val/hr10", "val/ndcg10")
 
 
@@ -89,6 +93,56 @@ def run_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.train.out_dir) / cfg.name
 
 
+class PrecompileKernels(L.Callback):
+    """``train.precompile_kernels``: the first training batch's Triton kernels compiled in parallel before its step.
+
+    The compile workers start when fitting starts (their start-up overlaps the data loader's); at the first
+    batch the module's step is recorded (:func:`gem.precompile.precompile_step`: forward through the module's
+    ``forward_batch``, under its autocast dtype) and compiled, then the workers end. Off CUDA, in Triton's
+    interpreter or where the module's resolved switch is off (:mod:`gem.step_options`), one logged line.
+    """
+
+    def __init__(self) -> None:
+        self.pool: KernelCompilePool | None = None
+        self.done = False
+        self.report: dict | None = None
+
+    def _enabled(self, pl_module) -> bool:
+        options = getattr(pl_module, "step_options", None)
+        return bool(options is not None and options.precompile_kernels)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if not self._enabled(pl_module) or skip_reason(["step"]):
+            return
+        try:
+            self.pool = KernelCompilePool(device=pl_module.device.index or 0)
+        except Exception as err:  # the JIT compiles at the first launches, as without this callback
+            _log.warning("kernel precompile: no compile pool (%s: %s)", type(err).__name__, err)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.done:
+            return
+        self.done = True
+        if not self._enabled(pl_module):
+            return
+        split = pl_module.cfg.data.train_split
+        try:
+            self.report = precompile_step(
+                pl_module.model, batch, autocast_dtype=pl_module.step_options.autocast_dtype,
+                forward=lambda b: pl_module.forward_batch(b, split), pool=self.pool, log=_log.info,
+            )
+        finally:
+            self.close()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
 def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: MetricRecorder | None) -> L.Trainer:
     if cfg.train.check_val_every_n_epoch < 1:
         raise ConfigError(f"train.check_val_every_n_epoch={cfg.train.check_val_every_n_epoch} must be at least 1")
@@ -103,6 +157,8 @@ def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: 
     ]
     if cfg.train.progress_bar:
         callbacks.append(GemProgressBar(refresh_rate=10))
+    if cfg.train.precompile_kernels:
+        callbacks.append(PrecompileKernels())
     placement: dict[str, Any] = {"devices": cfg.train.devices, "plugins": [AtomicCheckpointIO()]}
     if cfg.parallel.enabled:
         from foundation.parallel.strategy import GemParallelStrategy, launch_world

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels import settings
+from kernels.precompile import recording
 from kernels.spec import AttentionSpec
 from kernels.triton.bias import add_bias, add_position_grad, add_time_grad, time_bucket
 from kernels.triton.configs import (
@@ -717,6 +718,14 @@ def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, k
         entry = entry_key(plain.__name__, args[0].dtype, tuned.keys, kwargs)
         config = checked_in_pick(args[0].device, entry)
         if config is None and _autotune_enabled():
+            if recording():
+                # The autotuner would compile every config of the variant: record them all, and remember no
+                # pick, so that the real launch still tunes.
+                for candidate in configs_for(tuned.configs, kwargs):
+                    plain[(batch_heads * triton.cdiv(grid_rows, candidate.kwargs[block_key]),)](
+                        *args, **kwargs, **candidate.all_kwargs()
+                    )
+                return
             tuned[lambda meta: (batch_heads * triton.cdiv(grid_rows, meta[block_key]),)](*args, **kwargs)
             _PICKS[pick] = TUNED[entry] = tuned.best_config
             return

@@ -1,0 +1,443 @@
+"""Compile a step's Triton kernels in parallel before the step runs, so its first launches find them cached.
+
+On a machine whose Triton cache is empty, the JIT compiles each kernel at its first launch, one after another,
+inside the first forward and backward. This module takes that work off the step in two parts:
+
+1. :func:`record_launches`: while inside, every Triton launch (compiled or interpreted) is recorded instead
+   of run, and its outputs stay as allocated (``torch.empty``). A training step has no host control flow
+   that reads a kernel's output, so running its forward and backward this way issues exactly the launches
+   of a real step. Each launch becomes a :class:`LaunchSpec`, keyed by what Triton specialises a compiled
+   kernel on, computed by Triton's own argument binder: the kernel, its constexpr values, the argument types,
+   the 16-byte divisibility of pointers and integers (and which integers are 1), and the launch options
+   (``num_warps``, ``num_stages``, ...). Launches with equal keys are one spec. A launch that would autotune
+   (no checked-in config) records every config the autotuner would compile instead
+   (:func:`kernels.triton.jagged_attention._launch` asks :func:`recording`).
+2. :func:`precompile`: worker processes (:class:`KernelCompilePool`) compile the specs, each through the
+   JIT's own ``warmup(...)`` on the target device with stand-ins of the recorded pointers (dtype and address
+   modulo 16) and the recorded scalars, so each artifact lands in the shared on-disk cache
+   (``TRITON_CACHE_DIR``) under the key the real launch looks up. A worker also builds the kernel's launcher,
+   which Triton 3.6 compiles with the host C compiler, per argument signature, at a kernel's first launch.
+   Processes, not threads: Triton's compile runs its passes under the GIL. Each worker is a fresh
+   ``python -m kernels.precompile``: never a fork of the CUDA-initialised caller, and, unlike a
+   ``multiprocessing`` child, it does not re-import the caller's ``__main__`` (a whole training stack).
+
+In Triton's interpreter (``TRITON_INTERPRET=1``) or without CUDA nothing is compiled: :func:`precompile` logs
+one line and returns. A spec that fails to compile (in a worker, or a pool that cannot start) costs one logged
+line; the JIT then compiles that kernel at its launch as it would have without this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import os
+import pickle
+import pkgutil
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A stand-in for a tensor argument: what Triton specialises a pointer on (its dtype, and whether its
+    address is a multiple of 16, from ``data_ptr() % 16``)."""
+
+    dtype: torch.dtype
+    misalignment: int
+
+    def data_ptr(self) -> int:
+        return self.misalignment
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One kernel specialisation a step launches.
+
+    Attributes:
+        kernel: ``module:name`` of the ``@triton.jit`` function.
+        key: Triton's specialisation of the launch (per parameter: ``("constexpr", value)`` or
+            ``(type, attribute)``) and its options, sorted by name. Specs compare and hash by
+            ``(kernel, key)``.
+        args, kwargs: the first such launch's arguments, tensors as :class:`Pointer`; enough to compile it.
+    """
+
+    kernel: str
+    key: tuple
+    args: tuple = field(compare=False)
+    kwargs: tuple = field(compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.rpartition(":")[2]
+
+
+@dataclass
+class LaunchRecord:
+    """What :func:`record_launches` saw: the distinct specs in first-launch order and the launches per kernel."""
+
+    specs: list[LaunchSpec] = field(default_factory=list)
+    launches: Counter = field(default_factory=Counter)
+    _seen: set = field(default_factory=set, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, spec: LaunchSpec) -> None:
+        with self._lock:
+            self.launches[spec.name] += 1
+            if spec not in self._seen:
+                self._seen.add(spec)
+                self.specs.append(spec)
+
+
+# The record in progress. A plain global, not a context variable: autograd runs a CUDA backward in a thread
+# of its own, whose launches belong to the same record.
+_ACTIVE: LaunchRecord | None = None
+
+
+def recording() -> bool:
+    """Whether launches are being recorded (:func:`record_launches`) instead of run."""
+    return _ACTIVE is not None
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[LaunchRecord]:
+    """Inside, every Triton kernel launch of the process is recorded into the yielded :class:`LaunchRecord`
+    and not run (module doc); explicit ``warmup`` calls pass through. Not re-entrant."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("record_launches is already active")
+    from triton.runtime import interpreter, jit
+
+    record = LaunchRecord()
+    originals = {cls: cls.run for cls in (jit.JITFunction, interpreter.InterpretedFunction)}
+
+    def wrap(run: Callable) -> Callable:
+        def recorded_run(kernel, *args, grid, warmup, **kwargs):
+            if warmup:
+                return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            record.add(launch_spec(kernel, args, kwargs))
+            return None
+
+        return recorded_run
+
+    for cls, run in originals.items():
+        cls.run = wrap(run)
+    _ACTIVE = record
+    try:
+        yield record
+    finally:
+        _ACTIVE = None
+        for cls, run in originals.items():
+            cls.run = run
+
+
+def launch_spec(kernel, args: Sequence, kwargs: dict) -> LaunchSpec:
+    """The :class:`LaunchSpec` of launching ``kernel`` (a ``JITFunction`` or the interpreter's function) on
+    ``args`` and ``kwargs`` (constexprs and launch options by name, as ``kernel[grid](*args, **kwargs)``)."""
+    _, specialization, options = _binder(kernel)(*args, **kwargs)
+    key = (tuple(tuple(s) for s in specialization), tuple(sorted(options.items())))
+    return LaunchSpec(
+        kernel=f"{kernel.fn.__module__}:{kernel.fn.__name__}",
+        key=key,
+        args=tuple(_portable(a) for a in args),
+        kwargs=tuple((k, _portable(v)) for k, v in kwargs.items()),
+    )
+
+
+def _portable(value):
+    if isinstance(value, torch.Tensor):
+        return Pointer(value.dtype, value.data_ptr() % 16)
+    return value
+
+
+_BINDERS: dict[int, tuple[object, Callable]] = {}
+
+
+def _binder(kernel) -> Callable:
+    """Triton's argument binder for ``kernel``: ``(*args, **kwargs) -> (bound, specialization, options)``, the
+    function a compiled kernel's launch calls to find its cache key. Built from the kernel's parameters (the
+    interpreter's functions keep their ``do_not_specialize`` lists in ``kwargs``); specialisation by Triton's
+    base backend, whose integer and pointer rules the CUDA backend keeps."""
+    cached = _BINDERS.get(id(kernel))
+    if cached is not None and cached[0] is kernel:
+        return cached[1]
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import KernelParam, create_function_from_signature
+
+    signature = inspect.signature(kernel.fn)
+    params = getattr(kernel, "params", None)
+    if params is None:
+        options = getattr(kernel, "kwargs", {})
+        plain = set(options.get("do_not_specialize") or ())
+        unaligned = set(options.get("do_not_specialize_on_alignment") or ())
+        params = [
+            KernelParam(i, p, i in plain or p.name in plain, i in unaligned or p.name in unaligned)
+            for i, p in enumerate(signature.parameters.values())
+        ]
+    binder = create_function_from_signature(signature, params, BaseBackend)
+    _BINDERS[id(kernel)] = (kernel, binder)
+    return binder
+
+
+@dataclass
+class PrecompileReport:
+    """What :func:`precompile` did: specs compiled, failed (``kernel: error`` each) and its wall seconds; ``skipped``
+    says why nothing was compiled (empty when the pool ran)."""
+
+    specs: int = 0
+    compiled: int = 0
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    workers: int = 0
+    skipped: str = ""
+
+    def as_dict(self) -> dict:
+        return {
+            "specs": self.specs, "compiled": self.compiled, "failed": list(self.failed), "seconds": self.seconds,
+            "workers": self.workers, "skipped": self.skipped,
+        }
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), which compiles nothing."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_workers() -> int:
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+class KernelCompilePool:
+    """Compile workers, started ahead of the specs so that their start-up (importing torch, Triton and the kernel
+    modules; setting up the driver) overlaps whatever the caller does meanwhile (building the model, the first
+    batch). :meth:`compile` runs specs, costliest first, each on the next free worker; :meth:`close` ends them.
+
+    Each worker is ``python -m kernels.precompile`` (module doc: why processes, and why not forks of the caller
+    or of a ``multiprocessing`` server, whose children re-import the caller's ``__main__``). It sees the caller's
+    ``sys.path`` and environment (so the same ``TRITON_CACHE_DIR``), compiles for CUDA device ``device``, and
+    imports ``modules`` first (every module of :mod:`kernels.triton` by default).
+    """
+
+    def __init__(self, workers: int | None = None, *, device: int = 0, modules: Sequence[str] | None = None) -> None:
+        self.workers = workers or default_workers()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        preload = ",".join(modules if modules is not None else kernel_modules())
+        command = [sys.executable, "-m", __name__, "--device", str(device), "--preload", preload]
+        self.processes = [
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            for _ in range(self.workers)
+        ]
+
+    def compile(self, specs: Sequence[LaunchSpec]) -> PrecompileReport:
+        """Compile ``specs`` (costliest first, see :func:`_cost`), wait for them, report; never raises."""
+        start = time.perf_counter()
+        tasks: queue.SimpleQueue = queue.SimpleQueue()
+        for spec in sorted(specs, key=_cost, reverse=True):
+            tasks.put(spec)
+        outcomes: list[tuple[LaunchSpec, str | None]] = []
+        threads = [threading.Thread(target=_serve, args=(p, tasks, outcomes), daemon=True) for p in self.processes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        while not tasks.empty():  # every worker died before these
+            outcomes.append((tasks.get(), "no compile worker left"))
+        failed = [f"{spec.name}: {error}" for spec, error in outcomes if error is not None]
+        return PrecompileReport(
+            specs=len(specs), compiled=len(outcomes) - len(failed), failed=failed,
+            seconds=time.perf_counter() - start, workers=self.workers,
+        )
+
+    def close(self) -> None:
+        for process in self.processes:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self) -> KernelCompilePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve(process: subprocess.Popen, tasks: queue.SimpleQueue, outcomes: list) -> None:
+    """Feed ``process`` specs from ``tasks`` one at a time until none is left or the worker dies."""
+    while True:
+        try:
+            spec = tasks.get_nowait()
+        except queue.Empty:
+            return
+        try:
+            _send(process.stdin, spec)
+            outcomes.append((spec, _receive(process.stdout)))
+        except (OSError, EOFError, pickle.UnpicklingError) as err:
+            code = process.poll()
+            outcomes.append((spec, f"compile worker died ({_one_line(err)}; exit code {code})"))
+            return
+
+
+def _send(stream, obj) -> None:
+    data = pickle.dumps(obj)
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _receive(stream):
+    size = stream.read(8)
+    if len(size) < 8:
+        raise EOFError("compile worker closed its pipe")
+    return pickle.loads(stream.read(int.from_bytes(size, "little")))
+
+
+def precompile(
+    specs: Sequence[LaunchSpec],
+    workers: int | None = None,
+    *,
+    pool: KernelCompilePool | None = None,
+    log: Callable[[str], None] = print,
+) -> PrecompileReport:
+    """Compile ``specs`` into Triton's on-disk cache in parallel (module doc): in ``pool`` when given (left
+    open), else in a pool of ``workers`` processes (default ``min(16, cpu_count)``) made and closed here.
+
+    Logs one line: what was compiled and how long it took, why nothing was (interpreter, no CUDA, no specs),
+    or how many specs failed, with the first error. Never raises for a failed compile.
+    """
+    reason = skip_reason(specs)
+    if reason:
+        log(f"kernel precompile: skipped ({reason})")
+        return PrecompileReport(specs=len(specs), skipped=reason)
+    try:
+        owned = pool is None
+        pool = pool or KernelCompilePool(workers, device=torch.cuda.current_device())
+    except Exception as err:
+        log(f"kernel precompile: no pool ({_one_line(err)}); the kernels compile at their first launch")
+        return PrecompileReport(specs=len(specs), skipped=f"no pool: {_one_line(err)}")
+    try:
+        report = pool.compile(specs)
+    finally:
+        if owned:
+            pool.close()
+    log(summary_line(report))
+    return report
+
+
+def skip_reason(specs: Sequence[LaunchSpec]) -> str:
+    """Why :func:`precompile` would compile nothing here ('' when it would)."""
+    if interpreted():
+        return "Triton interpreter: nothing to compile"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not specs:
+        return "no Triton launches recorded"
+    return ""
+
+
+def summary_line(report: PrecompileReport) -> str:
+    line = f"kernel precompile: {report.compiled}/{report.specs} specs in {report.seconds:.1f} s on {report.workers} workers"
+    if report.failed:
+        line += (f"; {len(report.failed)} failed, first {report.failed[0]}"
+                 "; those compile at their first launch")
+    return line
+
+
+def kernel_modules() -> list[str]:
+    """The modules of :mod:`kernels.triton` (what a compile worker imports kernels from)."""
+    import kernels.triton as package
+
+    return [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+
+
+def _cost(spec: LaunchSpec) -> int:
+    """A deterministic guess of a spec's compile time, for longest-first scheduling: its kernel's source length."""
+    try:
+        return len(inspect.getsource(_resolve(spec.kernel).fn))
+    except (OSError, TypeError, ImportError, LookupError):
+        return 0
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def _resolve(kernel: str):
+    module, _, name = kernel.partition(":")
+    found = getattr(importlib.import_module(module), name, None)
+    if found is None or not hasattr(found, "warmup"):
+        raise LookupError(f"{kernel} is not a Triton kernel")
+    return found
+
+
+def _compile_spec(spec: LaunchSpec) -> None:
+    """In a worker: compile ``spec`` into the on-disk cache through the kernel's ``warmup``, and build its launcher."""
+    from triton.runtime import driver
+
+    compiled = _resolve(spec.kernel).warmup(*spec.args, grid=(1,), **dict(spec.kwargs))
+    launcher = getattr(driver.active, "launcher_cls", None)
+    if compiled is not None and launcher is not None:
+        launcher(compiled.src, compiled.metadata)
+
+
+def _worker(device: int, preload: list[str]) -> None:
+    """A compile worker: set up, then compile each spec read from stdin, answering None or the error's line.
+
+    The answers go to the original stdout; everything else that writes to file descriptor 1 (Triton's tools,
+    stray prints) goes to stderr instead, so it cannot corrupt them.
+    """
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    requests = sys.stdin.buffer
+    try:
+        _set_up_worker(device, preload)
+        broken = None
+    except Exception as err:  # every spec is answered with it: the caller logs one line
+        broken = f"worker set-up: {_one_line(err)}"
+    while True:
+        try:
+            spec = _receive(requests)
+        except EOFError:
+            return
+        error = broken
+        if error is None:
+            try:
+                _compile_spec(spec)
+            except Exception as err:
+                error = _one_line(err)
+        _send(answers, error)
+
+
+def _set_up_worker(device: int, preload: list[str]) -> None:
+    for module in preload:
+        importlib.import_module(module)
+    from triton.runtime import driver
+
+    if device:  # a context on device 0 would cost memory and time for nothing: a compile needs none
+        torch.cuda.set_device(device)
+    # The driver's first use builds its helper module (cached): done here, while the caller is still busy.
+    driver.active.get_current_target()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a kernel compile worker (KernelCompilePool starts these)")
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--preload", default="")
+    options = parser.parse_args()
+    _worker(options.device, [m for m in options.preload.split(",") if m])

@@ -1,0 +1,261 @@
+"""Recording a step's Triton launches and compiling them ahead (:mod:`kernels.precompile`, :mod:`gem.precompile`).
+
+The step tests run a tiny teacher with every kernel on Triton, in the interpreter (``conftest.py``). The cache test
+compiles for a real CUDA target in a subprocess without the interpreter, with Triton's bundled ``ptxas``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from triton.runtime import interpreter
+
+from gem.precompile import precompile_step, record_step
+from kernels.precompile import (
+    KernelCompilePool,
+    LaunchSpec,
+    Pointer,
+    kernel_modules,
+    launch_spec,
+    precompile,
+    record_launches,
+    recording,
+    summary_line,
+)
+from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def on_triton(monkeypatch):
+    monkeypatch.setenv("GEM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("GEM_GLUE_BACKEND", "triton")
+
+
+def tiny_teacher():
+    from foundation.model.teacher import build_teacher
+
+    torch.manual_seed(0)
+    return build_teacher(tiny_config(generative=True), CTR_SCHEMA)
+
+
+@contextlib.contextmanager
+def counting_launches():
+    """Every interpreted launch runs as usual; yields the specs of the launches, in order."""
+    seen: list[LaunchSpec] = []
+    original = interpreter.InterpretedFunction.run
+
+    def run(kernel, *args, grid, warmup, **kwargs):
+        if not warmup:
+            seen.append(launch_spec(kernel, args, kwargs))
+        return original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = run
+    try:
+        yield seen
+    finally:
+        interpreter.InterpretedFunction.run = original
+
+
+def real_step(model, batch):
+    loss = model.loss(batch, model(batch))["loss"]
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_recorded_launches_are_those_of_a_real_step_and_leave_no_trace(on_triton):
+    """The record (launches skipped, outputs uninitialised) lists the kernels, specialisations and launch counts
+    a real interpreted step runs; after it, the real step's loss and gradients equal those of a model that was
+    never recorded (dropout and sampled negatives included: the random state is untouched)."""
+    batch = make_batch(CTR_SCHEMA, [0, 1, 6, 3, 9])
+    model = tiny_teacher()
+    record = record_step(model, batch, autocast_dtype=None)
+    assert all(p.grad is None for p in model.parameters())
+    with counting_launches() as seen:
+        loss, grads = real_step(model, batch)
+    assert record.specs == list(dict.fromkeys(seen))
+    assert record.launches == Counter(spec.name for spec in seen)
+    names = {spec.name for spec in record.specs}
+    assert {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_ln_fwd_kernel", "_ln_bwd_kernel"} <= names
+    assert {"_modulate_fwd_kernel", "_modulate_bwd_kernel"} <= names
+
+    fresh_loss, fresh_grads = real_step(tiny_teacher(), batch)
+    assert torch.equal(loss, fresh_loss)
+    for name, grad in fresh_grads.items():
+        assert (grad is None) == (grads[name] is None), name
+        if grad is not None:
+            assert torch.equal(grads[name], grad), name
+
+
+def test_records_are_deterministic(on_triton):
+    batch = make_batch(CTR_SCHEMA, [4, 0, 7])
+    first = record_step(tiny_teacher(), batch, autocast_dtype=None)
+    second = record_step(tiny_teacher(), batch, autocast_dtype=None)
+    assert first.specs == second.specs and first.launches == second.launches
+    assert [(s.args, s.kwargs) for s in first.specs] == [(s.args, s.kwargs) for s in second.specs]
+    assert len(first.specs) < sum(first.launches.values())  # equal launches are one spec
+
+
+def test_specs_key_what_triton_specialises_on():
+    from kernels import layer_norm
+
+    def specs(rows: int, n: int, *, view_offset: int = 0, dtype=torch.float32):
+        x = torch.randn(rows * n + view_offset, dtype=dtype)[view_offset:].view(rows, n)
+        with record_launches() as record:
+            layer_norm(x, torch.ones(n), torch.zeros(n), 1e-5, backend="triton")
+        return record.specs
+
+    (base,) = specs(6, 24)
+    assert specs(10, 24) == [base]  # row count: a grid size, not specialised
+    assert specs(6, 32) != [base]  # N: BLOCK_N and the stride's divisibility by 16
+    assert specs(6, 24, dtype=torch.float16) != [base]
+    (shifted,) = specs(6, 24, view_offset=1)  # x 4 bytes past a 16-byte boundary
+    assert shifted != base and shifted.args[0] == Pointer(torch.float32, 4)
+    assert not recording()
+
+
+def test_an_autotuned_launch_records_every_config_and_remembers_no_pick(monkeypatch):
+    """Without a checked-in config a launch would autotune: the record holds each config the autotuner would
+    compile, and neither the picks nor the autotuner's cache change (the real launch still tunes)."""
+    import kernels.triton.jagged_attention as attention
+    from kernels import jagged_attention
+    from kernels.triton.configs import FWD_CONFIGS, configs_for
+
+    launch = attention._launch
+
+    def as_on_cuda(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
+        launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, True)
+
+    monkeypatch.setattr(attention, "_launch", as_on_cuda)
+    monkeypatch.setattr(attention, "checked_in_pick", lambda device, entry: None)
+    monkeypatch.setattr(attention, "_PICKS", {})
+    q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
+    offsets = torch.tensor([0, 4, 9])
+    tuned, cache = dict(attention.TUNED), dict(attention._fwd_tuned.cache)
+    with record_launches() as record:
+        jagged_attention(q, k, v, offsets, 5, activation="silu", backend="triton")
+    expected = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in configs_for(FWD_CONFIGS, {"HAS_PB": False, "HAS_TB": False})]
+    got = [tuple(dict(s.kwargs)[name] for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+           for s in record.specs]
+    assert got == expected and all(s.name == "_fwd_kernel" for s in record.specs)
+    assert (attention._PICKS, attention.TUNED, attention._fwd_tuned.cache) == ({}, tuned, cache)
+
+    chosen = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+    monkeypatch.setattr(attention, "checked_in_pick", lambda device, entry: chosen)
+    with record_launches() as record:
+        jagged_attention(q, k, v, offsets, 5, activation="relu", backend="triton")
+    (options,) = [dict(s.kwargs) for s in record.specs if s.name == "_fwd_kernel"]
+    assert (options["BLOCK_M"], options["BLOCK_N"], options["num_warps"], options["num_stages"]) == (64, 32, 4, 2)
+
+
+def test_recording_is_not_reentrant_and_ends_on_error():
+    with pytest.raises(RuntimeError, match="already active"), record_launches(), record_launches():
+        pass
+    with pytest.raises(ValueError, match="boom"), record_launches():
+        raise ValueError("boom")
+    assert not recording()
+
+
+def test_the_pool_reports_failures_in_one_line():
+    """An unknown kernel fails in its worker and is reported with the kernel's name; the others compile (the
+    workers inherit the interpreter, whose ``warmup`` compiles nothing, and set up on the compile-only driver:
+    this checks the pool, not Triton)."""
+    from kernels import layer_norm
+
+    with record_launches() as record:
+        layer_norm(torch.randn(3, 8), torch.ones(8), torch.zeros(8), 1e-5, backend="triton")
+    unknown = LaunchSpec("kernels.triton.layer_norm:no_such_kernel", (), (), ())
+    with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
+        report = pool.compile([*record.specs, unknown])
+    assert (report.specs, report.compiled, report.workers) == (2, 1, 2)
+    assert report.failed == ["no_such_kernel: LookupError: kernels.triton.layer_norm:no_such_kernel is not a Triton kernel"]
+    line = summary_line(report)
+    assert "\n" not in line and "1/2 specs" in line and "1 failed, first no_such_kernel" in line
+
+
+def test_a_worker_that_cannot_start_fails_every_spec_in_one_line():
+    spec = LaunchSpec("kernels.triton.layer_norm:_ln_fwd_kernel", (), (), ())
+    with KernelCompilePool(1, modules=["kernels.no_such_module"]) as pool:
+        report = pool.compile([spec, spec])
+    assert report.compiled == 0 and len(report.failed) == 2
+    assert report.failed[0].startswith("_ln_fwd_kernel: worker set-up: ModuleNotFoundError")
+
+
+def test_nothing_compiles_in_the_interpreter(on_triton):
+    lines: list[str] = []
+    report = precompile([LaunchSpec("kernels.triton.layer_norm:_ln_fwd_kernel", (), (), ())], log=lines.append)
+    assert report.compiled == 0 and report.skipped.startswith("Triton interpreter")
+    result = precompile_step(tiny_teacher(), make_batch(CTR_SCHEMA, [2, 3]), autocast_dtype=None, log=lines.append)
+    assert result["specs"] == 0 and result["skipped"] == report.skipped
+    assert lines == [f"kernel precompile: skipped ({report.skipped})"] * 2
+
+
+def _ptxas() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
+def test_the_pool_fills_the_cache_the_real_launches_read(tmp_path):
+    """For a CUDA target (sm_90, compiled without a GPU): the pool's artifacts land in ``TRITON_CACHE_DIR``, and
+    the JIT's lookups for the real launches (real tensors, compile without launch) find every one of them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.precompile_cache_check"], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["failed"] == [] and result["compiled"] == result["specs"] == 2
+    assert result["cache_entries"] == 2
+    assert result["entries_added_by_the_real_launches"] == []
+
+
+def test_a_step_that_fails_to_record_costs_one_line(monkeypatch):
+    """Where the pool would run, a step whose recording raises is skipped with one line; the caller goes on."""
+    import gem.precompile
+
+    class Broken(torch.nn.Module):
+        def forward(self, batch):
+            raise ValueError("no such feature: user_age")
+
+        def loss(self, batch, output):
+            return {"loss": output}
+
+    monkeypatch.setattr(gem.precompile, "skip_reason", lambda specs: "")
+    lines: list[str] = []
+    result = precompile_step(Broken(), make_batch(CTR_SCHEMA, [2]), autocast_dtype=None, log=lines.append)
+    assert result["specs"] == 0
+    assert lines == ["kernel precompile: skipped (recording the step failed: ValueError: no such feature: user_age)"]
+    assert not recording()
+
+
+def test_the_harness_switch_is_on_for_one_device_and_adds_the_callback():
+    from foundation.config import apply_overrides
+    from gem.flavors import get_flavor
+    from gem.step_options import step_options
+    from gem.train import PrecompileKernels, build_trainer
+
+    def resolved(*overrides: str):
+        cfg = apply_overrides(get_flavor("teacher-large"), list(overrides))
+        return cfg, step_options(cfg, has_lookups=True)[0].precompile_kernels
+
+    cfg, on = resolved()
+    assert on and any(isinstance(c, PrecompileKernels) for c in build_trainer(cfg, None, None).callbacks)
+    cfg, off = resolved("train.precompile_kernels=false")
+    assert not off and not any(isinstance(c, PrecompileKernels) for c in build_trainer(cfg, None, None).callbacks)
+    assert not resolved("parallel.enabled=true")[1]
