@@ -6,7 +6,6 @@ when the route drops them."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from foundation.parallel.context import ContextParallel
 from kernels import jagged_attention, route_jagged_attention
+from tests.test_parallel_training import free_port
 
 CP = 2
 LENGTHS = [0, 1, 2, 5, 9, 16]
@@ -106,12 +106,6 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             torch.save(results, Path(out_dir) / "results.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks() -> dict:
