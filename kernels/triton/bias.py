@@ -265,10 +265,13 @@ def store_position_grad(win_lo, win_hi, ds, m_start, n_start, n_hist, row, OFF, 
 
 
 @triton.jit
-def flush_position_grad(win_lo, win_hi, row, e0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Stores what the window still holds after the last tile (``e0`` that tile's)."""
-    _flush_half(row, win_lo, e0, e0 - BLOCK_M, e0 + BLOCK_M - BLOCK_N, 0, BLOCK_M)
-    _flush_half(row, win_hi, e0, e0 - BLOCK_M, e0 + BLOCK_M - BLOCK_N, 1, BLOCK_M)
+def flush_position_grad(win_lo, win_hi, row, e_query, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores what the window still holds after the program's key tiles ``[lo, hi)`` (``e_query`` is
+    ``OFF + m_start``; the last tile's ``e0`` follows)."""
+    if hi > lo:
+        e0 = e_query - (lo + (hi - lo - 1) // BLOCK_N * BLOCK_N)
+        _flush_half(row, win_lo, e0, e0 - BLOCK_M, e0 + BLOCK_M - BLOCK_N, 0, BLOCK_M)
+        _flush_half(row, win_hi, e0, e0 - BLOCK_M, e0 + BLOCK_M - BLOCK_N, 1, BLOCK_M)
 
 
 @triton.jit

@@ -10,7 +10,8 @@ loop; only the boundary tiles evaluate the mask, so masking costs a few tiles pe
 
 Backward: one program per key block accumulates dK and dV over its query blocks; a second
 kernel, one program per query block, computes dQ (no atomics) and the bias-table gradients
-(:mod:`kernels.triton.bias`). Softmax scores are kept in log2 units so each probability is one
+(:mod:`kernels.triton.bias`: float atomics, or with ``GEM_KERNELS_DETERMINISTIC=1`` per-program rows summed
+in a fixed order, :mod:`kernels.triton.bias_rows`). Softmax scores are kept in log2 units so each probability is one
 FMA and one ``exp2``. The mask semantics are those of :mod:`kernels.pytorch.jagged_attention`.
 
 On Hopper and newer the forward loads its query tile and streams its key and value tiles
@@ -432,9 +433,7 @@ def _bwd_dq_kernel(
     )
     if DETERMINISTIC:
         if HAS_PB:
-            if hi > lo:
-                last_start = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N
-                flush_position_grad(win_lo, win_hi, dpb_ptr, OFF + m_start - last_start, BLOCK_M, BLOCK_N)
+            flush_position_grad(win_lo, win_hi, dpb_ptr, OFF + m_start, lo, hi, BLOCK_M, BLOCK_N)
         if HAS_TB:
             entries = tl.arange(0, BLOCK_T)
             tl.store(dtb_ptr + entries, time_acc, mask=entries < T_SIZE)
