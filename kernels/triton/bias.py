@@ -280,9 +280,11 @@ def sum_time_grad(acc, ds, bucket, BLOCK_T: tl.constexpr):
     a fixed order, in registers. A tile holds few distinct buckets except near the diagonal."""
     entries = tl.arange(0, BLOCK_T)
     pending = ds != 0.0
-    while tl.sum(tl.sum(pending.to(tl.int32), 1), 0) > 0:
-        t = tl.min(tl.min(tl.where(pending, bucket, BLOCK_T), 1), 0)
+    # Buckets are below T <= BLOCK_T: the minimum is BLOCK_T once none is pending.
+    t = tl.min(tl.min(tl.where(pending, bucket, BLOCK_T), 1), 0)
+    while t < BLOCK_T:
         chosen = bucket == t
         acc = tl.where(entries == t, acc + tl.sum(tl.sum(tl.where(chosen, ds, 0.0), 1), 0), acc)
         pending = pending & ~chosen
+        t = tl.min(tl.min(tl.where(pending, bucket, BLOCK_T), 1), 0)
     return acc

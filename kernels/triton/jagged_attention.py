@@ -65,7 +65,9 @@ _INV_SQRT2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 # Arguments that change with the batch's contents: specializing on their divisibility would
 # recompile the kernels for batches of the same shape.
-_NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV", "OFF", "LD"]
+_NO_SPECIALIZE = [
+    "stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV", "OFF", "LD"
+]
 
 
 @triton.jit
@@ -405,9 +407,10 @@ def _bwd_dq_kernel(
     # The pointwise 1/N is applied once per output instead of once per score.
     ds_scale = 1.0 if ACT == 0 else inv_n
     if DETERMINISTIC:
-        # This program's own rows (kernels/triton/bias_rows.py), each entry stored once.
-        dpb_ptr = DPB + pid * stride_dpb_rep
-        dtb_ptr = DTB + pid * stride_dtb_rep
+        # This program's own rows (kernels/triton/bias_rows.py), each entry stored once; all rows together can
+        # pass 2**31 floats.
+        dpb_ptr = DPB + pid.to(tl.int64) * stride_dpb_rep
+        dtb_ptr = DTB + pid.to(tl.int64) * stride_dtb_rep
     else:
         # Replicated table-gradient accumulators: programs that run together add into different copies.
         dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
