@@ -8,6 +8,11 @@ path's sums and must not change the deterministic ones, and count the atomics th
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from triton.runtime import interpreter
@@ -17,6 +22,21 @@ from kernels.triton import jagged_attention as triton_backend
 from kernels.triton.bias_rows import BiasGradRows, sum_position_rows
 
 LEAVES = ("q", "k", "v", "pos_bias", "time_bias")
+REPO = Path(__file__).resolve().parents[2]
+# The biased dQ kernel compiled for sm_90 by Triton's own toolchain (no GPU needed; outside the interpreter);
+# prints the float atomics (``atom``/``red``) of its PTX.
+COUNT_PTX_ATOMICS = """
+import re, sys, triton
+from experiments.kernel_sass import compile_sm90
+from kernels.triton.jagged_attention import _bwd_dq_kernel
+det = sys.argv[1] == "1"
+constexprs = dict(ACT=1, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=True, HAS_TB=True, FAST=True,
+                  PTX=True, DQK=64, DV=64, BLOCK_DQK=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=32, DETERMINISTIC=det,
+                  BLOCK_T=128 if det else 16)
+config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+ptx = compile_sm90(_bwd_dq_kernel, constexprs, config).asm["ptx"]
+print(len(re.findall(r"\\b(?:atom|red)\\.[a-z.]*f32", ptx)))
+"""
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -149,3 +169,19 @@ def test_position_rows_fold_every_signed_distance_into_its_clamped_entry(size):
     torch.testing.assert_close(sum_position_rows(rows, heads, heads, size).double(), want, rtol=1e-5, atol=1e-5)
     shared = sum_position_rows(rows, heads, 1, size).double()
     torch.testing.assert_close(shared, want.sum(0, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+def _ptx_atomics(deterministic: bool) -> int:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-c", COUNT_PTX_ATOMICS, "1" if deterministic else "0"], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+def test_deterministic_dq_kernel_compiles_for_sm90_without_float_atomics():
+    """What runs on the GPU: the biased dQ kernel's PTX (its table gradients use inline-PTX reductions there,
+    which the interpreter never runs) has float atomics on the default path and none when deterministic."""
+    assert _ptx_atomics(False) > 0
+    assert _ptx_atomics(True) == 0
