@@ -42,7 +42,9 @@ def signature(fn, constexprs: dict) -> tuple[dict, dict]:
             sig[name] = "constexpr"
         elif name in FLOATS:
             sig[name] = "fp32"
-        elif name[0].islower() or name in ("P_SIZE", "T_SIZE", "H", "N_BUCKET", "AVG_BUCKET", "ROWS", "REPS", "L_Q", "L_KV"):
+        elif name[0].islower() or name in (
+            "P_SIZE", "T_SIZE", "H", "N_BUCKET", "AVG_BUCKET", "ROWS", "REPS", "L_Q", "L_KV", "OFF", "LD"
+        ):
             sig[name] = "i32"
         else:
             sig[name] = "*fp32" if name in FP32_POINTERS else "*i64" if name in I64_POINTERS else "*i32" if name == "ORDER" else "*bf16"
@@ -82,13 +84,16 @@ def tools(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def report(kernel: str, bias: str, act: int, config: triton.Config) -> str:
+def report(kernel: str, bias: str, act: int, config: triton.Config, deterministic: bool = False) -> str:
     fn, _ = KERNELS[kernel]
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
                       HAS_TB=bias != "none", FAST=True, PTX=True, DQK=128, DV=128, BLOCK_DQK=128, BLOCK_DV=128,
                       **config.kwargs)
     if kernel == "fwd":
         constexprs["TMA"] = True
+    if kernel == "dq":
+        # The teacher's 128-entry time table (kernels/triton/bias.py: sum_time_grad).
+        constexprs.update(DETERMINISTIC=deterministic and bias != "none", BLOCK_T=128 if deterministic else 16)
     compiled = compile_sm90(fn, constexprs, config)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -101,7 +106,8 @@ def report(kernel: str, bias: str, act: int, config: triton.Config) -> str:
     total = sum(loop.values())
     scores = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] / (32 * config.num_warps)
     shown = " ".join(f"{k}={loop[k]}" for k in SHOWN if loop[k])
-    return (f"{kernel:4s} bias={bias:4s} act={act} {config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
+    kernel = f"{kernel}-det" if constexprs.get("DETERMINISTIC") else kernel
+    return (f"{kernel:6s} bias={bias:4s} act={act} {config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
             f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack} | tile loop {total} instr, "
             f"{total / scores:.1f}/score | {shown}")
 
@@ -111,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     parser.add_argument("--bias", nargs="+", choices=["none", "both"], default=["none", "both"])
     parser.add_argument("--acts", type=int, nargs="+", default=[1], help="1 SiLU, 0 softmax")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the biased dQ kernel as GEM_KERNELS_DETERMINISTIC=1 compiles it")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90")
     for kernel in args.kernels:
         for bias in args.bias:
             for act in args.acts:
                 for config in configs_for(KERNELS[kernel][1], {"HAS_PB": bias != "none"}):
-                    print(report(kernel, bias, act, config), flush=True)
+                    print(report(kernel, bias, act, config, args.deterministic), flush=True)
     return 0
 
 

@@ -11,7 +11,9 @@ field               environment variable          meaning
 ==================  ============================  =====================================================
 ``backend``         ``GEM_ATTENTION_BACKEND``     what ``backend="auto"`` calls run: ``auto`` (Triton on
                                                   CUDA, the reference elsewhere), ``pytorch``, ``triton``
-``deterministic``   ``GEM_KERNELS_DETERMINISTIC`` dQ in its own pass, no float32 atomics (``0``/``1``)
+``deterministic``   ``GEM_KERNELS_DETERMINISTIC`` bitwise-repeatable Triton backward: bias-table gradients
+                                                  by per-program rows, no float atomics, no autotuning
+                                                  (``0``/``1``)
 ``tma``             ``GEM_KERNELS_TMA``           TMA descriptor loads; None: on CUDA (Hopper+), off in
                                                   the interpreter (``0``/``1``)
 ``autotune``        ``GEM_KERNELS_AUTOTUNE``      autotune Triton configs; off: each kernel's first

@@ -96,6 +96,15 @@ def test_prefix_attention_of_every_rank_equals_whole_sequence_attention(cp, acti
     torch.testing.assert_close(sharded, whole, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cp", [2, 3])
+def test_prefix_attention_measures_each_query_from_its_own_query_time(cp):
+    query_timestamps = torch.randint(0, 1000, (33,), generator=torch.Generator().manual_seed(cp))
+    whole, sharded = whole_and_sharded_attention(cp, causal=True, activation="silu", query_timestamps=query_timestamps)
+    torch.testing.assert_close(sharded, whole, atol=1e-6, rtol=1e-5)
+    without, _ = whole_and_sharded_attention(cp, causal=True, activation="silu")
+    assert (without - whole).abs().max() > 1e-3
+
+
 def test_prefix_attention_without_causal_mask_and_with_a_window_uses_the_right_keys():
     for causal, window in ((False, None), (True, 3)):
         whole, sharded = whole_and_sharded_attention(2, causal=causal, window=window)

@@ -11,9 +11,9 @@ the offsets), so gathers need no size exchange.
 whole sequences, and calls :func:`kernels.jagged_attention` on *prefix sequences*: for each row, the keys
 from position 0 up to its last own token (causal; the whole row otherwise), with its own queries at their
 global positions and zero queries elsewhere (their outputs are dropped). Positions inside a prefix are the
-global ones, so the causal mask, the relative position and time biases and ``num_targets`` (the prefix
-keeps the row's history length: ``num_targets' = max(prefix - history, 0)``) are exactly those of the
-whole sequence, and ``max_len`` (HSTU's ``1/N``) is passed through unchanged. The kernels cannot start
+global ones, so the causal mask, the relative position and time biases (each slot takes its token's time
+and query time) and ``num_targets`` (the prefix keeps the row's history length:
+``num_targets' = max(prefix - history, 0)``) are exactly those of the whole sequence, and ``max_len`` (HSTU's ``1/N``) is passed through unchanged. The kernels cannot start
 queries mid-sequence, so a rank pays for the queries before its late chunk: the attention FLOPs of the
 rank holding a row's last chunk stay those of the whole row (see ``docs/parallel.md``). The ``heads`` route
 (:meth:`ContextParallel.attention_by_heads`) splits those FLOPs instead: an all-to-all gives each rank every
@@ -308,6 +308,7 @@ class ContextParallel:
         causal: bool,
         num_targets: torch.Tensor | None,
         timestamps: torch.Tensor | None,
+        query_timestamps: torch.Tensor | None = None,
         **options,
     ) -> torch.Tensor:
         """:func:`kernels.jagged_attention` of this rank's queries against every rank's keys.
@@ -318,27 +319,29 @@ class ContextParallel:
             max_len: passed through (the ``1/N`` of pointwise attention).
             num_targets: ``[B]`` of the whole sequences, or None.
             timestamps: ``[L]`` of the whole sequences (the model passes them unsharded), or None.
+            query_timestamps: ``[L]`` of the whole sequences (the target-time bias's ``qts``), or None.
             options: the remaining :func:`kernels.jagged_attention` arguments, passed through.
 
         Returns:
             ``[L_r, H, Dv]``.
         """
         plan = self.plan_for(offsets)
-        if timestamps is not None and timestamps.shape[0] != plan.num_tokens:
-            raise ValueError(
-                f"context parallel attention needs the whole sequences' timestamps [{plan.num_tokens}], "
-                f"got {tuple(timestamps.shape)}"
-            )
+        for name, times in (("timestamps", timestamps), ("query_timestamps", query_timestamps)):
+            if times is not None and times.shape[0] != plan.num_tokens:
+                raise ValueError(
+                    f"context parallel attention needs the whole sequences' {name} [{plan.num_tokens}], "
+                    f"got {tuple(times.shape)}"
+                )
+        times = dict(timestamps=timestamps, query_timestamps=query_timestamps)
         if self.mode == "heads":
             return self.attention_by_heads(
-                q, k, v, offsets, max_len, plan, causal=causal, num_targets=num_targets, timestamps=timestamps,
-                **options,
+                q, k, v, offsets, max_len, plan, causal=causal, num_targets=num_targets, **times, **options
             )
         keys_values = self.gather(torch.cat([k, v], dim=-1), plan)  # one collective for both
         k_all, v_all = keys_values.split([k.shape[-1], v.shape[-1]], dim=-1)
         return attend_over_prefixes(
             q, k_all, v_all, offsets, max_len, plan.prefixes(causal), causal=causal, num_targets=num_targets,
-            timestamps=timestamps, **options,
+            **times, **options,
         )
 
 
@@ -391,13 +394,15 @@ def attend_over_prefixes(
     causal: bool,
     num_targets: torch.Tensor | None,
     timestamps: torch.Tensor | None,
+    query_timestamps: torch.Tensor | None = None,
     **options,
 ) -> torch.Tensor:
     """One rank's queries ``q[L_r, H, Dqk]`` against the whole batch's ``k_all[L, H, Dqk]``, ``v_all[L, H, Dv]``
     (``offsets[B+1]``), through :func:`kernels.jagged_attention` on ``prefixes``; returns ``[L_r, H, Dv]``.
 
-    ``num_targets[B]`` and ``timestamps[L]`` are the whole sequences'; a prefix keeps its row's history
-    length, so it gets the targets it contains.
+    ``num_targets[B]``, ``timestamps[L]`` and ``query_timestamps[L]`` are the whole sequences'; a prefix keeps its
+    row's history length, so it gets the targets it contains, and each prefix slot takes the times of the token
+    it holds (own queries their own ``qts``; the zero queries' outputs are dropped).
     """
     q_prefix = q.new_zeros(prefixes.token_index.numel(), *q.shape[1:]).index_copy(0, prefixes.query_slots, q)
     prefix_targets = None
@@ -414,6 +419,7 @@ def attend_over_prefixes(
             causal=causal,
             num_targets=prefix_targets,
             timestamps=None if timestamps is None else timestamps[prefixes.token_index],
+            query_timestamps=None if query_timestamps is None else query_timestamps[prefixes.token_index],
             **options,
         )
     return out[prefixes.query_slots]

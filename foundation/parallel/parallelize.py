@@ -50,6 +50,9 @@ from foundation.parallel.tensor import apply_tensor_parallel
 class ParallelConfig:
     """What :func:`parallelize_teacher` applies besides the degrees in :class:`ParallelDims`.
 
+    Kept apart from :class:`~foundation.parallel.settings.ParallelSettings` (the run config's flat section, built
+    into this by :func:`~foundation.parallel.strategy.build_parallel_config`): typed components and the dense optimizer.
+
     Attributes:
         shard_embeddings: shard the torchrec tables (else they stay whole on every rank and are
             data-parallel like the rest; fine for small tables).

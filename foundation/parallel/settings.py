@@ -15,6 +15,9 @@ from foundation.config import ConfigError
 class ParallelSettings:
     """Distributed training through :mod:`foundation.parallel.strategy` (off: plain single-device Lightning).
 
+    Kept apart from :class:`~foundation.parallel.ParallelConfig`: this is the flat, user-set config section (degrees,
+    backend, balancing, checkpoints; strings checked with ``ConfigError``), from which the strategy builds that.
+
     Attributes:
         dp_replicate, dp_shard, tp, cp, emb_shard: degrees of :class:`foundation.parallel.ParallelDims`;
             one dense degree may be ``-1`` (the rest of the world size), checked at launch by :meth:`validate`.

@@ -200,3 +200,91 @@ def add_time_grad(ds, bucket, bucket_ref, bucket_ref_next, dtb_ptr, PTX: tl.cons
     # Far from the diagonal no score is outside, and the tile skips the per-score atomics.
     if tl.max(n_outside, 0) > 0:
         scatter_add(dtb_ptr, bucket, ds, outside, PTX)
+
+
+# Deterministic table gradients (``GEM_KERNELS_DETERMINISTIC=1``). Float atomics add in the order threads and
+# programs happen to run, so the same backward can differ in its last bits. Instead each dQ program writes a row
+# of its own, every entry once, with plain stores, and the host sums the rows in a fixed order
+# (kernels/triton/bias_rows.py). Position row: the tile's scores summed by ``e = OFF + m - n`` (the signed
+# history distance plus an offset) in a register window, each ``e`` stored once it is final; its second half
+# (``+ LD``) holds the target rows' per-key sums at ``OFF + n_hist - n``. Time row: the table's entries, summed
+# in registers.
+
+
+@triton.jit
+def _diagonal_half(ds, e0, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sums of a ``[queries, keys]`` dS tile into slots ``HALF * BLOCK_M + [0, BLOCK_M)`` of a circular window of
+    ``2 * BLOCK_M`` slots: score ``(r, c)`` goes to slot ``(e0 + r - c) mod 2 * BLOCK_M``. A tile's
+    ``BLOCK_M + BLOCK_N - 1`` distances take distinct slots, so a (slot, column) pair holds one row at most:
+    ``r = (slot - e0 + c) mod 2 * BLOCK_M``, where that is below ``BLOCK_M``."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    src = (HALF * BLOCK_M + rows[:, None] - e0 + cols[None, :]) & (2 * BLOCK_M - 1)
+    picked = tl.gather(ds, tl.minimum(src, BLOCK_M - 1), 0)
+    return tl.sum(tl.where(src < BLOCK_M, picked, 0.0), 1)
+
+
+@triton.jit
+def _flush_half(row, acc, e0, e_lo, e_hi, HALF: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Stores the slots of one window half whose ``e`` (in ``[e0 - BLOCK_M, e0 + BLOCK_M)``) lies in
+    ``[e_lo, e_hi)`` at ``row[e]``; returns the half with those slots zeroed."""
+    slots = HALF * BLOCK_M + tl.arange(0, BLOCK_M)
+    e = e0 - BLOCK_M + ((slots - e0 + BLOCK_M) & (2 * BLOCK_M - 1))
+    done = (e >= e_lo) & (e < e_hi)
+    tl.store(row + e, acc, mask=done)
+    return tl.where(done, 0.0, acc)
+
+
+@triton.jit
+def _store_target_rows(ds, m_start, n_start, n_hist, target_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores the target rows' (queries at ``n_hist``) per-key sums over history keys of a dS tile at
+    ``target_row[n_hist - key]`` (each key once per program); returns the tile without them. A target's score
+    on a key past the history is its own, at distance 0: it stays in the tile for the diagonal sums."""
+    if m_start + BLOCK_M > n_hist:
+        keys = n_start + tl.arange(0, BLOCK_N)
+        taken = ((m_start + tl.arange(0, BLOCK_M))[:, None] >= n_hist) & (keys[None, :] < n_hist)
+        tl.store(target_row + n_hist - keys, tl.sum(tl.where(taken, ds, 0.0), 0), mask=keys < n_hist)
+        ds = tl.where(taken, 0.0, ds)
+    return ds
+
+
+@triton.jit
+def store_position_grad(win_lo, win_hi, ds, m_start, n_start, n_hist, row, OFF, LD,
+                        HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds a ``[queries, keys]`` dS tile into the program's position row through the window ``(win_lo, win_hi)``
+    (the ``e`` of ``[e0 - BLOCK_M, e0 + BLOCK_M)``, ``e0 = OFF + m_start - n_start``); the next tile, keys
+    ``BLOCK_N`` further, reaches ``e < e0 + BLOCK_M - BLOCK_N`` only, so the ``e`` above are stored now."""
+    e0 = OFF + m_start - n_start
+    if HAS_TARGETS:
+        ds = _store_target_rows(ds, m_start, n_start, n_hist, row + LD + OFF, BLOCK_M, BLOCK_N)
+    win_lo += _diagonal_half(ds, e0, 0, BLOCK_M, BLOCK_N)
+    win_hi += _diagonal_half(ds, e0, 1, BLOCK_M, BLOCK_N)
+    win_lo = _flush_half(row, win_lo, e0, e0 + BLOCK_M - BLOCK_N, e0 + BLOCK_M, 0, BLOCK_M)
+    win_hi = _flush_half(row, win_hi, e0, e0 + BLOCK_M - BLOCK_N, e0 + BLOCK_M, 1, BLOCK_M)
+    return win_lo, win_hi
+
+
+@triton.jit
+def flush_position_grad(win_lo, win_hi, row, e_query, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores what the window still holds after the program's key tiles ``[lo, hi)`` (``e_query`` is
+    ``OFF + m_start``; the last tile's ``e0`` follows)."""
+    if hi > lo:
+        e0 = e_query - (lo + (hi - lo - 1) // BLOCK_N * BLOCK_N)
+        _flush_half(row, win_lo, e0, e0 - BLOCK_M, e0 + BLOCK_M - BLOCK_N, 0, BLOCK_M)
+        _flush_half(row, win_hi, e0, e0 - BLOCK_M, e0 + BLOCK_M - BLOCK_N, 1, BLOCK_M)
+
+
+@triton.jit
+def sum_time_grad(acc, ds, bucket, BLOCK_T: tl.constexpr):
+    """``acc[t] +=`` the sum of a dS tile over its scores in bucket ``t``, bucket by bucket in increasing order:
+    a fixed order, in registers. A tile holds few distinct buckets except near the diagonal."""
+    entries = tl.arange(0, BLOCK_T)
+    pending = ds != 0.0
+    # Buckets are below T <= BLOCK_T: the minimum is BLOCK_T once none is pending.
+    t = tl.min(tl.min(tl.where(pending, bucket, BLOCK_T), 1), 0)
+    while t < BLOCK_T:
+        chosen = bucket == t
+        acc = tl.where(entries == t, acc + tl.sum(tl.sum(tl.where(chosen, ds, 0.0), 1), 0), acc)
+        pending = pending & ~chosen
+        t = tl.min(tl.min(tl.where(pending, bucket, BLOCK_T), 1), 0)
+    return acc

@@ -10,7 +10,8 @@ loop; only the boundary tiles evaluate the mask, so masking costs a few tiles pe
 
 Backward: one program per key block accumulates dK and dV over its query blocks; a second
 kernel, one program per query block, computes dQ (no atomics) and the bias-table gradients
-(:mod:`kernels.triton.bias`). Softmax scores are kept in log2 units so each probability is one
+(:mod:`kernels.triton.bias`: float atomics, or with ``GEM_KERNELS_DETERMINISTIC=1`` per-program rows summed
+in a fixed order, :mod:`kernels.triton.bias_rows`). Softmax scores are kept in log2 units so each probability is one
 FMA and one ``exp2``. The mask semantics are those of :mod:`kernels.pytorch.jagged_attention`.
 
 On Hopper and newer the forward loads its query tile and streams its key and value tiles
@@ -37,7 +38,16 @@ import triton.language as tl
 from kernels import settings
 from kernels.precompile import recording
 from kernels.spec import AttentionSpec
-from kernels.triton.bias import add_bias, add_position_grad, add_time_grad, time_bucket
+from kernels.triton.bias import (
+    add_bias,
+    add_position_grad,
+    add_time_grad,
+    flush_position_grad,
+    store_position_grad,
+    sum_time_grad,
+    time_bucket,
+)
+from kernels.triton.bias_rows import build_bias_grad_rows, sum_position_rows, sum_time_rows
 from kernels.triton.configs import (
     DKDV_CONFIGS,
     DQ_CONFIGS,
@@ -56,7 +66,9 @@ _INV_SQRT2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 # Arguments that change with the batch's contents: specializing on their divisibility would
 # recompile the kernels for batches of the same shape.
-_NO_SPECIALIZE = ["stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV"]
+_NO_SPECIALIZE = [
+    "stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV", "OFF", "LD"
+]
 
 
 @triton.jit
@@ -305,16 +317,18 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_tiles(
-    dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, ts_m_next, lo, hi,
-    kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start,
+    dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
+    ts_m_next, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
+    m_start, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """dQ over key tiles ``[lo, hi)``, and the bias-table gradients of those tiles' scores
     (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
-    are summed)."""
+    are summed): by atomics, or ``DETERMINISTIC`` into the program's rows through the position window
+    ``(win_lo, win_hi)`` and the time-table sums ``time_acc``."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
@@ -336,14 +350,21 @@ def _bwd_dq_tiles(
             ds = tl.where(valid, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq)
         if HAS_PB:
-            add_position_grad(ds, m_start, start_n, n_hist, dpb_ptr, P_SIZE, HAS_TARGETS, BLOCK_M, BLOCK_N)
+            if DETERMINISTIC:
+                win_lo, win_hi = store_position_grad(win_lo, win_hi, ds, m_start, start_n, n_hist, dpb_ptr, OFF, LD,
+                                                     HAS_TARGETS, BLOCK_M, BLOCK_N)
+            else:
+                add_position_grad(ds, m_start, start_n, n_hist, dpb_ptr, P_SIZE, HAS_TARGETS, BLOCK_M, BLOCK_N)
         if HAS_TB:
-            # The reference bucket of each row: its first key's, the largest time difference in order.
-            ts_first = tl.load(ts_base + start_n)
-            ref = time_bucket(ts_m - ts_first, T_SIZE, PTX)
-            ref_next = time_bucket(ts_m_next - ts_first, T_SIZE, PTX)
-            add_time_grad(ds, bucket, ref, ref_next, dtb_ptr, PTX, BLOCK_M)
-    return dq
+            if DETERMINISTIC:
+                time_acc = sum_time_grad(time_acc, ds, bucket, BLOCK_T)
+            else:
+                # The reference bucket of each row: its first key's, the largest time difference in order.
+                ts_first = tl.load(ts_base + start_n)
+                ref = time_bucket(ts_m - ts_first, T_SIZE, PTX)
+                ref_next = time_bucket(ts_m_next - ts_first, T_SIZE, PTX)
+                add_time_grad(ds, bucket, ref, ref_next, dtb_ptr, PTX, BLOCK_M)
+    return dq, win_lo, win_hi, time_acc
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -351,11 +372,11 @@ def _bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
-    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep,
+    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
@@ -386,26 +407,40 @@ def _bwd_dq_kernel(
     bias_scale = _LOG2E if ACT == 0 else 1.0
     # The pointwise 1/N is applied once per output instead of once per score.
     ds_scale = 1.0 if ACT == 0 else inv_n
-    # Replicated table-gradient accumulators: programs that run together add into different copies.
-    dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
-    dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
+    if DETERMINISTIC:
+        # This program's own rows (kernels/triton/bias_rows.py), each entry stored once; all rows together can
+        # pass 2**31 floats.
+        dpb_ptr = DPB + pid.to(tl.int64) * stride_dpb_rep
+        dtb_ptr = DTB + pid.to(tl.int64) * stride_dtb_rep
+    else:
+        # Replicated table-gradient accumulators: programs that run together add into different copies.
+        dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
+        dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    win_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
+    win_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    time_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    dq = _bwd_dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, ts_m_next, lo, full_hi,
-        kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
-        P_SIZE, T_SIZE, m_start,
+    dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
+        dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
+        ts_m_next, lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+        TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-        BLOCK_N,
+        BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
-    dq = _bwd_dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, ts_m_next,
-        tl.maximum(full_hi, lo), hi,
-        kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh, TB + h * stride_tbh, dpb_ptr, dtb_ptr,
-        P_SIZE, T_SIZE, m_start,
+    dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
+        dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
+        ts_m_next, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+        TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-        BLOCK_N,
+        BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
+    if DETERMINISTIC:
+        if HAS_PB:
+            flush_position_grad(win_lo, win_hi, dpb_ptr, OFF + m_start, lo, hi, BLOCK_M, BLOCK_N)
+        if HAS_TB:
+            entries = tl.arange(0, BLOCK_T)
+            tl.store(dtb_ptr + entries, time_acc, mask=entries < T_SIZE)
     tl.store(DQ + q_start * stride_dqm + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_dqk[None, :],
              (dq * (alpha * ds_scale)).to(DQ.dtype.element_ty), mask=q_ok[:, None] & (offs_dqk[None, :] < DQK))
 
@@ -556,7 +591,8 @@ def _n_bucket(n: int) -> int:
 
 
 def deterministic() -> bool:
-    """``GEM_KERNELS_DETERMINISTIC=1`` computes dQ in its own pass, with no atomics, for every variant."""
+    """``GEM_KERNELS_DETERMINISTIC=1``: no float atomics (the bias-table gradients go through per-program rows,
+    :mod:`kernels.triton.bias_rows`) and no autotuning, so a backward repeats bit for bit."""
     return settings.deterministic()
 
 
@@ -693,8 +729,9 @@ def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 
 def _autotune_enabled() -> bool:
-    """``GEM_KERNELS_AUTOTUNE=0`` runs each kernel's first config untuned (quick compiles for checks)."""
-    return settings.autotune()
+    """``GEM_KERNELS_AUTOTUNE=0`` runs each kernel's first config untuned (quick compiles for checks). So does
+    :func:`deterministic`: the autotuner picks by timing, and another tile sums in another order."""
+    return settings.autotune() and not deterministic()
 
 
 # The config each launch took, by (kernel, dtype, tuning key): later launches skip the lookup, and
@@ -705,32 +742,41 @@ _PICKS: dict[tuple, triton.Config] = {}
 TUNED: dict[str, triton.Config] = {}
 
 
-def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
-    """A 1-D grid of ``B * H * cdiv(grid_rows, block)`` programs (:func:`_program`), where
-    ``block_key`` names the tile that splits the rows; the config as :mod:`kernels.triton.configs` says."""
-    kwargs = {**kwargs, "ROWS": grid_rows}
+def _launch_config(tuned, plain, cpu_blocks, kwargs, x, on_cuda) -> dict | None:
+    """The block sizes and compile options a launch of ``plain`` on ``x``'s dtype and device takes, as
+    :mod:`kernels.triton.configs` says; None where the autotuner is to pick them."""
     if not on_cuda:
-        plain[(batch_heads * triton.cdiv(grid_rows, cpu_blocks[block_key]),)](*args, **kwargs, **cpu_blocks)
-        return
-    pick = (plain.__name__, args[0].dtype, *(kwargs[name] for name in tuned.keys))
+        return cpu_blocks
+    tuning = _autotune_enabled()
+    pick = (plain.__name__, x.dtype, tuning, *(kwargs[name] for name in tuned.keys))
     config = _PICKS.get(pick)
     if config is None:
-        entry = entry_key(plain.__name__, args[0].dtype, tuned.keys, kwargs)
-        config = checked_in_pick(args[0].device, entry)
-        if config is None and _autotune_enabled():
-            if recording():
-                # The autotuner would compile every config of the variant: record them all, and remember no
-                # pick, so that the real launch still tunes.
-                for candidate in configs_for(tuned.configs, kwargs):
-                    plain[(batch_heads * triton.cdiv(grid_rows, candidate.kwargs[block_key]),)](
-                        *args, **kwargs, **candidate.all_kwargs()
-                    )
-                return
-            tuned[lambda meta: (batch_heads * triton.cdiv(grid_rows, meta[block_key]),)](*args, **kwargs)
-            _PICKS[pick] = TUNED[entry] = tuned.best_config
-            return
+        config = checked_in_pick(x.device, entry_key(plain.__name__, x.dtype, tuned.keys, kwargs))
+        if config is None and tuning:
+            return None
         config = _PICKS[pick] = config or configs_for(tuned.configs, kwargs)[0]
-    plain[(batch_heads * triton.cdiv(grid_rows, config.kwargs[block_key]),)](*args, **kwargs, **config.all_kwargs())
+    return config.all_kwargs()
+
+
+def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
+    """A 1-D grid of ``B * H * cdiv(grid_rows, block)`` programs (:func:`_program`), where
+    ``block_key`` names the tile that splits the rows; the config as :func:`_launch_config` says."""
+    kwargs = {**kwargs, "ROWS": grid_rows}
+    config = _launch_config(tuned, plain, cpu_blocks, kwargs, args[0], on_cuda)
+    if config is None:
+        if recording():
+            # The autotuner would compile every config of the variant: record them all, and remember no
+            # pick, so that the real launch still tunes.
+            for candidate in configs_for(tuned.configs, kwargs):
+                plain[(batch_heads * triton.cdiv(grid_rows, candidate.kwargs[block_key]),)](
+                    *args, **kwargs, **candidate.all_kwargs()
+                )
+            return
+        tuned[lambda meta: (batch_heads * triton.cdiv(grid_rows, meta[block_key]),)](*args, **kwargs)
+        pick = (plain.__name__, args[0].dtype, True, *(kwargs[name] for name in tuned.keys))
+        _PICKS[pick] = TUNED[entry_key(plain.__name__, args[0].dtype, tuned.keys, kwargs)] = tuned.best_config
+        return
+    plain[(batch_heads * triton.cdiv(grid_rows, config[block_key]),)](*args, **kwargs, **config)
 
 
 def _longest_first(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
@@ -768,6 +814,45 @@ def _zeros_replicated(reps: int, table: torch.Tensor | None) -> torch.Tensor | N
     return torch.zeros((reps, *table.shape), device=table.device, dtype=torch.float32)
 
 
+def _table_grad_variant(pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None) -> dict:
+    """The dQ pass's table-gradient constexprs: deterministic (with a table to write) or atomic, and the
+    register width of the deterministic time-table sums."""
+    det = deterministic() and (pos_bias is not None or time_bias is not None)
+    width = triton.next_power_of_2(time_bias.shape[1]) if det and time_bias is not None else 1
+    return {"DETERMINISTIC": det, "BLOCK_T": max(16, width)}
+
+
+def _table_grad_buffers(q, pos_bias, time_bias, call, dq_kwargs):
+    """The dQ pass's table-gradient accumulators ``(DPB, DTB)``, their layout arguments, and the function that
+    sums them into ``(dpb, dtb)`` (None without a table) once the pass ran: replicated copies for the atomics,
+    or per-program rows (:mod:`kernels.triton.bias_rows`)."""
+    heads = q.shape[1]
+    if dq_kwargs["DETERMINISTIC"]:
+        config = _launch_config(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, dq_kwargs, q, q.is_cuda)
+        rows = build_bias_grad_rows(pos_bias, time_bias, call.batch * heads, call.max_q_len, call.max_kv_len,
+                                    call.causal, config["BLOCK_M"])
+        dpb, dtb = rows.position, rows.time
+        layout = dict(REPS=1, OFF=rows.offset, LD=dpb.shape[-1] if dpb is not None else 0)
+
+        def table_grads():
+            return (
+                sum_position_rows(rows, heads, pos_bias.shape[0], pos_bias.shape[1]) if dpb is not None else None,
+                sum_time_rows(rows, heads, time_bias.shape[0]) if dtb is not None else None,
+            )
+    else:
+        reps = _bias_grad_replicas(call.batch * heads, pos_bias, time_bias)
+        dpb, dtb = _zeros_replicated(reps, pos_bias), _zeros_replicated(reps, time_bias)
+        layout = dict(REPS=reps, OFF=0, LD=0)
+
+        def table_grads():
+            return (dpb.sum(0) if dpb is not None else None, dtb.sum(0) if dtb is not None else None)
+
+    layout.update(stride_dpb_rep=dpb.stride(0) if dpb is not None else 0,
+                  stride_dtb_rep=dtb.stride(0) if dtb is not None else 0)
+    dummy = _dummy(q.device)
+    return (dpb if dpb is not None else dummy, dtb if dtb is not None else dummy), layout, table_grads
+
+
 class _JaggedAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pos_bias, time_bias, q_offsets, kv_offsets, call):
@@ -798,18 +883,9 @@ class _JaggedAttentionFn(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        reps = _bias_grad_replicas(batch * heads, pos_bias, time_bias)
-        dpb = _zeros_replicated(reps, pos_bias)
-        dtb = _zeros_replicated(reps, time_bias)
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
-        dummy = _dummy(q.device)
-        dpb_t = dpb if dpb is not None else dummy
-        dtb_t = dtb if dtb is not None else dummy
-        tables = dict(
-            REPS=reps,
-            stride_dpb_rep=dpb.stride(0) if dpb is not None else 0,
-            stride_dtb_rep=dtb.stride(0) if dtb is not None else 0,
-        )
+        dq_kwargs = {**scalars, **meta, **_table_grad_variant(pos_bias, time_bias)}
+        (dpb_t, dtb_t), tables, table_grads = _table_grad_buffers(q, pos_bias, time_bias, call, dq_kwargs)
         delta = torch.empty_like(lse) if call.act == "softmax" else lse
         if call.act == "softmax" and q.shape[0] > 0:
             rows = _CPU_FWD["BLOCK_M"] if not q.is_cuda else 64
@@ -829,7 +905,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
             _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
-                    {**scalars, **tables, **meta}, q.is_cuda)
+                    {**dq_kwargs, **tables}, q.is_cuda)
             dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
@@ -838,8 +914,9 @@ class _JaggedAttentionFn(torch.autograd.Function):
                     {**scalars, **meta}, q.is_cuda)
         # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
         table_scale = 1.0 if call.act == "softmax" else scalars["inv_n"]
-        dpb = (dpb.sum(0) * table_scale).to(pos_bias.dtype) if dpb is not None else None
-        dtb = (dtb.sum(0) * table_scale).to(time_bias.dtype) if dtb is not None else None
+        dpb, dtb = table_grads()
+        dpb = (dpb * table_scale).to(pos_bias.dtype) if dpb is not None else None
+        dtb = (dtb * table_scale).to(time_bias.dtype) if dtb is not None else None
         return dq, dk, dv, dpb, dtb, None, None, None
 
 
