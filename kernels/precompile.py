@@ -218,6 +218,10 @@ def default_workers() -> int:
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
+# Longer than a cold compile of every kernel a step launches, one after another.
+COMPILE_TIMEOUT_S = 300.0
+
+
 class KernelCompilePool:
     """Compile workers, started ahead of the specs so that their start-up (importing torch, Triton and the kernel
     modules; setting up the driver) overlaps whatever the caller does meanwhile (building the model, the first
@@ -239,8 +243,10 @@ class KernelCompilePool:
             for _ in range(self.workers)
         ]
 
-    def compile(self, specs: Sequence[LaunchSpec]) -> PrecompileReport:
-        """Compile ``specs`` (costliest first, see :func:`_cost`), wait for them, report; never raises."""
+    def compile(self, specs: Sequence[LaunchSpec], *, timeout_s: float = COMPILE_TIMEOUT_S) -> PrecompileReport:
+        """Compile ``specs`` (costliest first, see :func:`_cost`), wait for them, report; never raises. Workers still
+        busy after ``timeout_s`` are killed: a hung compile costs the first step that long at most, and the specs
+        left fail with the reason (their kernels compile at their launch, as without a pool)."""
         start = time.perf_counter()
         tasks: queue.SimpleQueue = queue.SimpleQueue()
         for spec in sorted(specs, key=_cost, reverse=True):
@@ -250,9 +256,16 @@ class KernelCompilePool:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
-        while not tasks.empty():  # every worker died before these
-            outcomes.append((tasks.get(), "no compile worker left"))
+            thread.join(max(0.0, start + timeout_s - time.perf_counter()))
+        timed_out = any(thread.is_alive() for thread in threads)
+        if timed_out:
+            for process in self.processes:
+                process.kill()
+            for thread in threads:
+                thread.join()
+        left = f"compile pool timed out after {timeout_s:g} s" if timed_out else "no compile worker left"
+        while not tasks.empty():  # every worker died, or the pool timed out, before these
+            outcomes.append((tasks.get(), left))
         failed = [f"{spec.name}: {error}" for spec, error in outcomes if error is not None]
         return PrecompileReport(
             specs=len(specs), compiled=len(outcomes) - len(failed), failed=failed,

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -192,6 +193,19 @@ def test_a_worker_that_cannot_start_fails_every_spec_in_one_line():
         report = pool.compile([spec, spec])
     assert report.compiled == 0 and len(report.failed) == 2
     assert report.failed[0].startswith("_ln_fwd_kernel: worker set-up: ModuleNotFoundError")
+
+
+def test_a_hung_worker_is_killed_at_the_deadline_and_its_specs_fail_in_one_line(tmp_path, monkeypatch):
+    """A worker that never answers (its set-up hangs) costs ``timeout_s``, not the first step forever."""
+    (tmp_path / "hangs_on_import.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = LaunchSpec("kernels.triton.layer_norm:_ln_fwd_kernel", (), (), ())
+    start = time.perf_counter()
+    with KernelCompilePool(1, modules=["hangs_on_import"]) as pool:
+        report = pool.compile([spec, spec], timeout_s=2.0)
+    assert time.perf_counter() - start < 60
+    assert report.compiled == 0 and len(report.failed) == 2
+    assert any("timed out after 2 s" in failure for failure in report.failed)
 
 
 def test_nothing_compiles_in_the_interpreter(on_triton):
