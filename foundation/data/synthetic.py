@@ -42,16 +42,21 @@ active user, whose last few events are hours to days old), and keeps producing e
 window. An event's topic is core / dormant / focus / a popular topic (by the rates above), its item
 is drawn from that topic by popularity among launched items, its domain from the user's domain
 preference, and its action is 0 view, 1 click or 2 conversion, drawn from the same affinity model
-as impressions (with an organic base rate of about 20% engagement). A row stores the user's most
-recent ``max_history`` events strictly before its timestamp, oldest first; only those are ever
-materialised, so the cost does not grow with ``N_u``.
+as impressions (with an organic base rate of about 20% engagement). **Transitions** (off by default): every
+item has ``SUCCESSORS`` (3) "next" items drawn at random from the catalogue (what people tend to engage with right
+after it: a sequel, an accessory, the next step), and ``transition_rate`` of a user's events (all but the first
+materialised one) are instead a successor of the previous event's item, when that is launched by then, so
+histories hold chains of successors. A row stores the user's most recent ``max_history`` events strictly before
+its timestamp, oldest first; only those are ever materialised, so the cost does not grow with ``N_u``.
 
 **Impressions.** Rows are spread over users in proportion to ``rate_u ** 0.4`` (heavy users see
 more ads, but every user has few rows, so nothing can be learnt by memorising ``user_id``: the
 interests are recoverable only from history and attributes) and uniformly over the window of
-``window_days`` days. The candidate comes from one of three retrieval channels: the topic of one
+``window_days`` days. The candidate comes from one of four retrieval channels: the topic of one
 of the user's last 50 history events (``recent_target_frac``), an audience targeting the user's
-core or dormant topic (``audience_target_frac``), or a popular topic at that time. Then::
+core or dormant topic (``audience_target_frac``), a successor of one of the last history events (the ``a``-th
+last with odds ``0.5 ** a``; ``transition_target_frac``, when that successor is launched), or a popular topic at
+that time. Then::
 
     logit p_click = domain_bias[d]
                   + w_core[d] * core_weight * S[core, k] + dormant_weight * S[dormant, k]
@@ -60,13 +65,17 @@ core or dormant topic (``audience_target_frac``), or a popular topic at that tim
                   + quality[item] + clickiness[u] + domain_topic[d, k] + 0.5 * g_k(t)
                   + 0.4 * exp(-item_age / 5 days) - 0.3 * slot + 0.15 * cos(hour - 20h)
                   + 0.25 * exp(-hours since last event / 6) + N(0, noise_std)
+                  + transition_weight * sum_{a < 8} 0.5 ** a * [item is a successor of the a-th last event's item]
     logit p_cvr   = cvr_bias[d] + 1.2 * S[core, k] + 0.8 * S[dormant, k] + cvr[item]
                   + cvr_cross[age, price] + N(0, noise_std)
 
 ``k`` is the candidate's topic and ``d`` the domain; ``domain_bias = logit(domain_base_ctr)`` and
 ``cvr_bias = logit(domain_base_cvr)``, so the base rates are those of a neutral impression and
 realised rates come out several times higher (interest effects are positive). ``w_core[d]`` and ``w_recent[d]`` in ``[0.6, 1.4]`` make
-the domains weigh long-term and recent interests differently. ``p_conversion = p_click * p_cvr``
+the domains weigh long-term and recent interests differently. The transition term
+(:func:`transition_affinity`) reads the stored history by position: a mean-pooled bag of the same items cannot
+tell the last event from the 500th, a causal sequence model can; with the ``focus`` terms it is the world's
+order-dependent signal (the ``sequential`` preset turns it on). ``p_conversion = p_click * p_cvr``
 is ``P(conversion | impression)``; ``click ~ Bernoulli(p_click)`` and a conversion needs a click.
 
 **Labels that are absent.** Advertisers without conversion tracking
@@ -155,6 +164,9 @@ _KEY_BIAS = 2**38
 @dataclass
 class SynthConfig:
     """Size and ground truth of a synthetic ads world. Rates are per event, weights are logit units.
+
+    ``transition_rate``, ``transition_target_frac`` and ``transition_weight`` (all 0 by default, which leaves the
+    world exactly as without them) turn on the item-to-item transitions of the module docstring.
 
     ``num_examples`` impressions are written across the three splits; ``max_history`` caps the stored
     history per row (the most recent events are kept); ``users_per_block`` bounds memory (a block's
