@@ -74,7 +74,7 @@ SYNTH_PRESETS: dict[str, SynthConfig] = {
         users_per_block=1_024,
         transition_rate=0.3,
         transition_target_frac=0.2,
-        transition_weight=2.0,
+        transition_weight=2.5,
     ),
     # on demand, for GPU teachers: tens of millions of rows with histories up to 4096 events
     "large": SynthConfig(
