@@ -16,6 +16,9 @@ then, on a machine with matplotlib, from the two bundles::
     python -m experiments.compute_scaling plot summary.json docs/teacher_vs_dlrm_scaling_trained.png
     python -m experiments.compute_scaling plan --plan trained --world /tmp/scale-world   # runs, FLOPs, time estimate
 
+``--preset sequential`` (on ``run`` and ``plan``) generates the plan's world from that synthetic preset at the
+plan's sizes instead (the order-rewarding world of docs/benchmarks.md); its rows' ``data`` label says so.
+
 The CPU dry run is the same commands with ``--plan dry --device cpu`` (a world of 3k rows, two sizes of
 each model and a probe, four steps per run, the ``trained`` plan's recipe and runner).
 
@@ -88,7 +91,7 @@ from foundation.data.schema import SCHEMA_FILE, EventSchema
 from foundation.data.synthetic import STATS_FILE, SynthConfig, generate_world
 from foundation.model.baseline import dlrm_flops
 from foundation.model.flops import teacher_flops
-from gem.flavors import get_flavor, synth_preset
+from gem.flavors import SYNTH_PRESETS, get_flavor, synth_preset
 
 RUN_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GEM_KERNELS_AUTOTUNE": "0"}
 FAMILIES = ("teacher", "dlrm")
@@ -354,6 +357,17 @@ def dry_plan() -> Plan:
 
 
 PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "dry": dry_plan}
+
+
+def build_plan(name: str, preset: str | None = None) -> Plan:
+    """``PLANS[name]``, its world taken from the synthetic ``preset`` (None: the plan's own) at the plan's sizes."""
+    plan = PLANS[name]()
+    if preset is None:
+        return plan
+    w = plan.world
+    world = synth_preset(preset, num_examples=w.num_examples, max_history=w.max_history,
+                         users_per_block=w.users_per_block)
+    return dataclasses.replace(plan, world=world, label=f"{plan.label} [world: preset {preset}]")
 
 
 def plan_runs(plan: Plan) -> list[Run]:
@@ -703,7 +717,7 @@ def bundle(summary_path: Path, out: Path, target: Path, tag: str) -> None:
 
 def sweep(args: argparse.Namespace) -> dict:
     call_started = time.monotonic()
-    plan = PLANS[args.plan]()
+    plan = build_plan(args.plan, args.preset)
     index, count = parse_shard(args.shard)
     weights = shard_weights(plan, args.weights, count)
     if plan.schedule is not None and args.epochs != 1:
@@ -823,7 +837,7 @@ def plot(summary_path: Path, png: Path) -> None:
 
 
 def print_plan(args: argparse.Namespace) -> None:
-    plan = PLANS[args.plan]()
+    plan = build_plan(args.plan, args.preset)
     world_dir = prepare(plan, Path(args.world), args.workers)
     check_rows(plan, world_dir)
     costs = estimate(plan, world_dir)
@@ -847,6 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="prepare the world, print each size's FLOPs and the shards' time estimate")
     for sub in (run, plan):
         sub.add_argument("--plan", default="scaling", choices=sorted(PLANS))
+        sub.add_argument("--preset", default=None, choices=sorted(SYNTH_PRESETS),
+                         help="generate the plan's world from this synthetic preset at the plan's sizes "
+                              "(default: the plan's own world)")
         sub.add_argument("--world", required=True, help="the world's directory (generated unless it holds it)")
         sub.add_argument("--workers", type=int, default=max(1, min(16, os.cpu_count() or 1)),
                          help="processes generating the world")

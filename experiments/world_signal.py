@@ -3,13 +3,16 @@
 Usage::
 
     python -m experiments.world_signal --out /tmp/world-signal --examples 400000 --history 1024 --probe-rows 150000
+    python -m experiments.world_signal --preset sequential --out /tmp/world-signal-seq --examples 100000 --history 256
 
 Two measurements on a preset (``default``) (issue 16, item 5: can a sequence model beat a DLRM that mean-pools the
 same 1,024 events?):
 
 1. **The oracle without a term.** The world is generated again with one ground-truth term switched off
    (``recent_weight=0``: the user's current and previous focus topic, the recency signal; ``noise_std=0``: the
-   per-impression noise no model can know). Switching a weight off leaves every random draw in place, so the
+   per-impression noise no model can know; in a world with item-to-item transitions, also ``transition_weight=0``:
+   the bonus of a candidate that follows one of the last events' items, and both order-dependent terms at once).
+   Switching a weight off leaves every random draw in place, so the
    rows, candidates and labels' uniforms are the same (the script checks the example ids); the click
    probabilities differ. Scoring the full world's labels with the ablated world's probabilities, after a Platt
    scaling per domain fitted on valid (the term's mean shifts the rate), gives the test NE of a predictor that
@@ -18,7 +21,10 @@ same 1,024 events?):
    true topic similarity ``S``: pooled ones, which a DLRM's mean-pooled bags and dot products can express (mean
    ``S[topic_j, k]`` over all events and over clicked ones, history length, candidate topic, domain, dense
    features), against the same plus order-dependent ones (mean ``S`` over the last 1, 8 and 32 events and with
-   weights ``exp(-age / 7 days)``). The NE it gains on test is order-dependent signal a simple model can use.
+   weights ``exp(-age / 7 days)``). In a world with transitions both sides also get the share of events whose
+   successors include the candidate: over all events and clicked ones (pooled: a bag of item ids can hold it),
+   against over the last 1 and 8 events and the world's position-decayed sum (order). The NE it gains on test is
+   order-dependent signal a simple model can use.
 
 Prints one JSON object (test click NE of each predictor).
 """
@@ -35,11 +41,25 @@ import pyarrow.parquet as pq
 import torch
 
 from foundation.data.io import list_shards
-from foundation.data.synthetic import STATS_FILE, SynthConfig, World, generate_world, make_world
+from foundation.data.synthetic import (
+    STATS_FILE,
+    SynthConfig,
+    World,
+    generate_world,
+    make_world,
+    transition_affinity,
+)
 from foundation.metrics import normalized_entropy
 from gem.flavors import synth_preset
 
 ABLATIONS = {"no_recency": {"recent_weight": 0.0}, "no_noise": {"noise_std": 0.0}}
+TRANSITION_ABLATIONS = {"no_transition": {"transition_weight": 0.0},
+                        "no_order": {"recent_weight": 0.0, "transition_weight": 0.0}}
+
+
+def ablations(cfg: SynthConfig) -> dict[str, dict[str, float]]:
+    """The worlds to measure ``cfg`` against: the transition ones only where ``cfg`` has the term."""
+    return {**ABLATIONS, **(TRANSITION_ABLATIONS if cfg.transition_weight > 0 else {})}
 DAY = 86_400.0
 
 
@@ -102,8 +122,8 @@ def oracle_triples(full: Path, other: Path, split: str) -> tuple[tuple, tuple]:
 
 def history_features(w: World, directory: Path, split: str, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
     """``(pooled[N, P], order[N, Q], click[N])`` for ``rows`` rows of ``split`` drawn at random (all when fewer)."""
-    columns = ["history_item_ids", "history_timestamps", "history_actions", "item_topic", "domain", "timestamp",
-               "dense", "click"]
+    columns = ["history_item_ids", "history_timestamps", "history_actions", "item_id", "item_topic", "domain",
+               "timestamp", "dense", "click"]
     table = read_split(directory, split, columns)
     table = table.take(np.sort(np.random.default_rng(seed).permutation(table.num_rows)[:rows]))
     history = table.column("history_item_ids").combine_chunks()
@@ -123,16 +143,28 @@ def history_features(w: World, directory: Path, split: str, rows: int, seed: int
 
     domain = np.eye(w.cfg.num_domains)[table.column("domain").to_numpy()]
     pooled_all, pooled_clicked = weighted_mean(np.ones(len(items))), weighted_mean(clicked.astype(float))
-    pooled = np.column_stack([
+    pooled = [
         domain, np.eye(w.cfg.num_topics)[topic], np.stack(table.column("dense").to_numpy(zero_copy_only=False)),
         np.log1p(np.diff(offsets)), np.bincount(row, weights=clicked, minlength=n) > 0, pooled_all, pooled_clicked,
         domain * pooled_all[:, None], domain * pooled_clicked[:, None],
-    ])
+    ]
     recent = [weighted_mean((from_end < k).astype(float)) for k in (1, 8, 32)]
     decayed = weighted_mean(np.exp(-age / 7.0))
-    order = np.column_stack([*recent, decayed, domain * decayed[:, None], domain * recent[1][:, None]])
+    order = [*recent, decayed, domain * decayed[:, None], domain * recent[1][:, None]]
+    if w.cfg.transition_weight > 0:
+        candidate = table.column("item_id").to_numpy()
+        follows = (w.item_successors[items] == candidate[row, None]).any(axis=1).astype(float)
+
+        def share(weight: np.ndarray) -> np.ndarray:
+            return np.bincount(row, weights=follows * weight, minlength=n) / np.maximum(
+                np.bincount(row, weights=weight, minlength=n), 1e-12)
+
+        pooled += [share(np.ones(len(items))), share(clicked.astype(float))]
+        order += [share((from_end < 1).astype(float)), share((from_end < 8).astype(float)),
+                  transition_affinity(w, offsets, items, candidate)]
     click = table.column("click").to_numpy().astype(np.float64)
-    return tuple(torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (pooled, order, click))
+    features = (np.column_stack(pooled), np.column_stack(order), click)
+    return tuple(torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in features)
 
 
 def probe(w: World, directory: Path, train_rows: int) -> dict[str, float]:
@@ -156,7 +188,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         "oracle": normalized_entropy(torch.sigmoid(test[0][0]), test[0][1]),
         "oracle_platt": normalized_entropy(platt_per_domain(valid[0], test[0], cfg.num_domains), test[0][1]),
     }
-    for name, change in ABLATIONS.items():
+    for name, change in ablations(cfg).items():
         other = world(dataclasses.replace(cfg, **change), out_dir / name, args.workers)
         valid, test = oracle_triples(full, other, "valid"), oracle_triples(full, other, "test")
         result[f"oracle_{name}_platt"] = normalized_entropy(platt_per_domain(valid[1], test[1], cfg.num_domains), test[1][1])

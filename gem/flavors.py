@@ -5,7 +5,8 @@ Every name a user can pass (``--preset``, ``--flavor``, ``--teacher-flavor``) is
 every lookup returns a fresh copy the caller may change.
 
 - :data:`SYNTH_PRESETS`: synthetic ads worlds (``gem data synth --preset``). ``debug`` generates in
-  seconds, ``default`` is ``make quickstart``'s, ``large`` feeds GPU teachers.
+  seconds, ``default`` is ``make quickstart``'s, ``sequential`` adds order-dependent clicks (item-to-item
+  transitions), ``large`` feeds GPU teachers.
 - :data:`TEACHER_FLAVORS`: :class:`~foundation.model.teacher_config.TeacherConfig` sizes of the GEM teacher.
 - :data:`FLAVORS`: experiments (``gem train --flavor``). ``debug`` (DLRM baseline) trains in seconds on a
   CPU; ``default`` is ``make quickstart``; ``teacher-*`` train the GEM teacher on the synthetic world;
@@ -64,6 +65,17 @@ SYNTH_PRESETS: dict[str, SynthConfig] = {
     ),
     # `make quickstart`: generation well under a minute on two CPU cores
     "default": SynthConfig(),
+    # the scaling sweep's world (2M impressions, 1,024-event histories) plus item-to-item transitions: the history
+    # chains items to their successors and the click odds rise for a successor of the last few events, so reading
+    # the order of the history pays (docs/benchmarks.md, "A world that rewards order")
+    "sequential": SynthConfig(
+        num_examples=2_000_000,
+        max_history=1_024,
+        users_per_block=1_024,
+        transition_rate=0.3,
+        transition_target_frac=0.2,
+        transition_weight=2.5,
+    ),
     # on demand, for GPU teachers: tens of millions of rows with histories up to 4096 events
     "large": SynthConfig(
         num_users=2_000_000,

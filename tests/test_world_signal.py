@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from experiments.world_signal import fit_logistic, main, oracle_triples, predict, world
-from gem.flavors import synth_preset
+from gem.flavors import SYNTH_PRESETS, synth_preset
 
 
 def test_logistic_fit_recovers_known_weights():
@@ -44,3 +44,19 @@ def test_measurement_on_a_small_world(tmp_path, capsys):
     # The truth beats the truth without a term, and both beat a linear probe of the history.
     assert result["oracle_platt"] < min(result["oracle_no_recency_platt"], result["oracle_no_noise_platt"])
     assert max(result["oracle_no_recency_platt"], result["oracle_no_noise_platt"]) < result["probe_pooled"] < 1.05
+
+
+def test_transitions_are_measured_where_the_world_has_them(tmp_path, capsys, monkeypatch):
+    sequential = synth_preset("sequential")
+    monkeypatch.setitem(SYNTH_PRESETS, "debug-sequential", synth_preset(
+        "debug", transition_rate=sequential.transition_rate, transition_target_frac=sequential.transition_target_frac,
+        transition_weight=sequential.transition_weight))
+    argv = ["--out", str(tmp_path), "--preset", "debug-sequential", "--examples", "40000", "--history", "64",
+            "--probe-rows", "16000"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{"):])
+    assert result["oracle_platt"] < result["oracle_no_transition_platt"] <= result["oracle_no_order_platt"]
+    # The transition term is worth NE to the oracle, and a linear probe finds part of it in the order.
+    assert result["oracle_no_transition_platt"] - result["oracle_platt"] > 0.03
+    assert result["probe_pooled_and_order"] < result["probe_pooled"] - 0.01

@@ -42,16 +42,21 @@ active user, whose last few events are hours to days old), and keeps producing e
 window. An event's topic is core / dormant / focus / a popular topic (by the rates above), its item
 is drawn from that topic by popularity among launched items, its domain from the user's domain
 preference, and its action is 0 view, 1 click or 2 conversion, drawn from the same affinity model
-as impressions (with an organic base rate of about 20% engagement). A row stores the user's most
-recent ``max_history`` events strictly before its timestamp, oldest first; only those are ever
-materialised, so the cost does not grow with ``N_u``.
+as impressions (with an organic base rate of about 20% engagement). **Transitions** (off by default): every
+item has ``SUCCESSORS`` (3) "next" items drawn at random from the catalogue (what people tend to engage with right
+after it: a sequel, an accessory, the next step), and ``transition_rate`` of a user's events (all but the first
+materialised one) are instead a successor of the previous event's item, when that is launched by then, so
+histories hold chains of successors. A row stores the user's most recent ``max_history`` events strictly before
+its timestamp, oldest first; only those are ever materialised, so the cost does not grow with ``N_u``.
 
 **Impressions.** Rows are spread over users in proportion to ``rate_u ** 0.4`` (heavy users see
 more ads, but every user has few rows, so nothing can be learnt by memorising ``user_id``: the
 interests are recoverable only from history and attributes) and uniformly over the window of
-``window_days`` days. The candidate comes from one of three retrieval channels: the topic of one
+``window_days`` days. The candidate comes from one of four retrieval channels: the topic of one
 of the user's last 50 history events (``recent_target_frac``), an audience targeting the user's
-core or dormant topic (``audience_target_frac``), or a popular topic at that time. Then::
+core or dormant topic (``audience_target_frac``), a successor of one of the last history events (the ``a``-th
+last with odds ``0.5 ** a``; ``transition_target_frac``, when that successor is launched), or a popular topic at
+that time. Then::
 
     logit p_click = domain_bias[d]
                   + w_core[d] * core_weight * S[core, k] + dormant_weight * S[dormant, k]
@@ -60,13 +65,17 @@ core or dormant topic (``audience_target_frac``), or a popular topic at that tim
                   + quality[item] + clickiness[u] + domain_topic[d, k] + 0.5 * g_k(t)
                   + 0.4 * exp(-item_age / 5 days) - 0.3 * slot + 0.15 * cos(hour - 20h)
                   + 0.25 * exp(-hours since last event / 6) + N(0, noise_std)
+                  + transition_weight * sum_{a < 8} 0.5 ** a * [item is a successor of the a-th last event's item]
     logit p_cvr   = cvr_bias[d] + 1.2 * S[core, k] + 0.8 * S[dormant, k] + cvr[item]
                   + cvr_cross[age, price] + N(0, noise_std)
 
 ``k`` is the candidate's topic and ``d`` the domain; ``domain_bias = logit(domain_base_ctr)`` and
 ``cvr_bias = logit(domain_base_cvr)``, so the base rates are those of a neutral impression and
 realised rates come out several times higher (interest effects are positive). ``w_core[d]`` and ``w_recent[d]`` in ``[0.6, 1.4]`` make
-the domains weigh long-term and recent interests differently. ``p_conversion = p_click * p_cvr``
+the domains weigh long-term and recent interests differently. The transition term
+(:func:`transition_affinity`) reads the stored history by position: a mean-pooled bag of the same items cannot
+tell the last event from the 500th, a causal sequence model can; with the ``focus`` terms it is the world's
+order-dependent signal (the ``sequential`` preset turns it on). ``p_conversion = p_click * p_cvr``
 is ``P(conversion | impression)``; ``click ~ Bernoulli(p_click)`` and a conversion needs a click.
 
 **Labels that are absent.** Advertisers without conversion tracking
@@ -145,6 +154,9 @@ ORGANIC_CLICK_BIAS = -2.2  # organic engagement is far likelier than an ad click
 ORGANIC_CONV_BIAS = -3.0
 CONV_CORE, CONV_DORMANT = 1.2, 0.8
 TREND_WEIGHT, FRESH_WEIGHT, SLOT_WEIGHT, HOUR_WEIGHT, SESSION_WEIGHT = 0.5, 0.4, 0.3, 0.15, 0.25
+SUCCESSORS = 3  # "next" items per item in the transition map
+TRANSITION_SPAN = 8  # how many of the last history events the transition term reads
+TRANSITION_DECAY = 0.5  # the term's weight per event further back; also the next-item channel's anchor odds
 _KEY_SHIFT = 40  # (user << 40) + seconds since BASE_TIMESTAMP + 2**38 orders events by user, then time
 _KEY_BIAS = 2**38
 
@@ -152,6 +164,9 @@ _KEY_BIAS = 2**38
 @dataclass
 class SynthConfig:
     """Size and ground truth of a synthetic ads world. Rates are per event, weights are logit units.
+
+    ``transition_rate``, ``transition_target_frac`` and ``transition_weight`` (all 0 by default, which leaves the
+    world exactly as without them) turn on the item-to-item transitions of the module docstring.
 
     ``num_examples`` impressions are written across the three splits; ``max_history`` caps the stored
     history per row (the most recent events are kept); ``users_per_block`` bounds memory (a block's
@@ -193,6 +208,9 @@ class SynthConfig:
     untracked_advertiser_frac: float = 0.25
     recent_target_frac: float = 0.35
     audience_target_frac: float = 0.2
+    transition_rate: float = 0.0
+    transition_target_frac: float = 0.0
+    transition_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -240,8 +258,15 @@ class SynthConfig:
             or min(self.core_rate, self.dormant_rate, self.focus_rate) < 0
         ):
             raise ValueError("SynthConfig: core_rate + dormant_rate + focus_rate must lie in [0, 1]")
-        if self.recent_target_frac + self.audience_target_frac > 1:
-            raise ValueError("SynthConfig: recent_target_frac + audience_target_frac must be <= 1")
+        for name in ("recent_target_frac", "audience_target_frac", "transition_target_frac", "transition_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SynthConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.recent_target_frac + self.audience_target_frac + self.transition_target_frac > 1:
+            raise ValueError(
+                "SynthConfig: recent_target_frac + audience_target_frac + transition_target_frac must be <= 1"
+            )
+        if not 0 <= self.transition_rate < 1:
+            raise ValueError(f"SynthConfig.transition_rate must lie in [0, 1), got {self.transition_rate}")
         if not self.min_history <= self.history_limit:
             raise ValueError("SynthConfig: min_history must be <= history_limit")
         if self.window_days <= 0 or self.phase_days <= 0:
@@ -365,6 +390,7 @@ class World:
     item_cvr: np.ndarray  # [I] conversion propensity
     item_log_bid: np.ndarray  # [I]
     item_launch: np.ndarray  # [I] day (EVERGREEN for always-available items)
+    item_successors: np.ndarray  # [I, SUCCESSORS] the items often engaged right after each item
     sampler_items: np.ndarray  # [I] item ids sorted by (topic, launch)
     sampler_keys: np.ndarray  # [I] topic * KEY_SPAN + launch - EVERGREEN, ascending
     sampler_cum: np.ndarray  # [I+1] cumulative popularity in sampler order, leading 0
@@ -456,6 +482,8 @@ def make_world(cfg: SynthConfig) -> World:
         item_cvr=item_cvr,
         item_log_bid=0.5 * item_cvr + rng.normal(0, 0.4, n_items),
         item_launch=item_launch,
+        # Its own stream: the map exists in every world, and drawing it changes none of the other draws.
+        item_successors=np.random.default_rng([cfg.seed, 4]).integers(0, n_items, (n_items, SUCCESSORS)),
         sampler_items=order,
         sampler_keys=item_topic[order] * KEY_SPAN + (item_launch[order] - EVERGREEN),
         sampler_cum=cum,
@@ -577,6 +605,40 @@ def _affinity(
     return click, CONV_CORE * core + CONV_DORMANT * dormant
 
 
+def transition_affinity(world: World, offsets: np.ndarray, items: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """``[n]``: ``sum_a TRANSITION_DECAY**a * [candidate[r] is a successor of the a-th last event's item]``.
+
+    ``a`` runs over the last ``TRANSITION_SPAN`` events of row ``r``'s history ``items[offsets[r]:offsets[r+1]]``
+    (oldest first, as stored). It reads where each event sits, so a bag of the same items cannot express it.
+    """
+    lengths = np.diff(offsets)
+    score = np.zeros(len(candidate))
+    for back in range(TRANSITION_SPAN):
+        rows = np.flatnonzero(lengths > back)
+        successors = world.item_successors[items[offsets[rows + 1] - 1 - back]]
+        score[rows] += TRANSITION_DECAY**back * (successors == candidate[rows, None]).any(axis=1)
+    return score
+
+
+def _follow_successors(
+    rng: np.random.Generator, world: World, item: np.ndarray, t: np.ndarray, has_prev: np.ndarray
+) -> np.ndarray:
+    """``item[E]`` where ``transition_rate`` of the events with a previous one (``has_prev[E]``) become a
+    successor of the previous event's (final) item, if that successor is launched by ``t[E]``.
+
+    Runs of following events form chains; each pass settles one more link, so it takes the longest run's passes.
+    """
+    follow = np.flatnonzero(has_prev & (rng.random(len(item)) < world.cfg.transition_rate))
+    pick = rng.integers(0, SUCCESSORS, len(follow))
+    out = item.copy()
+    while True:
+        nxt = world.item_successors[out[follow - 1], pick]
+        settled = np.where(world.item_launch[nxt] <= t[follow], nxt, item[follow])
+        if np.array_equal(settled, out[follow]):
+            return out
+        out[follow] = settled
+
+
 @dataclass
 class _Events:
     """The materialised history events of a block, grouped by user, oldest first within a user."""
@@ -592,7 +654,12 @@ class _Events:
 
 
 def _draw_events(
-    rng: np.random.Generator, world: World, users: _Users, n_pre: np.ndarray, rate: np.ndarray
+    rng: np.random.Generator,
+    world: World,
+    users: _Users,
+    n_pre: np.ndarray,
+    rate: np.ndarray,
+    sequence_rng: np.random.Generator,
 ) -> _Events:
     cfg, n = world.cfg, len(users.ids)
     shown = np.minimum(n_pre, cfg.max_history)
@@ -634,6 +701,9 @@ def _draw_events(
         ),
     )
     item = world.sample_items(rng, topic, t)
+    if cfg.transition_rate > 0:
+        item = _follow_successors(sequence_rng, world, item, t, pos > 0)
+        topic = world.item_topic[item]  # sample_items keeps each item in its topic, so only successors change
     domain = _inverse_cdf(users.domain_cdf, user, rng.random(len(user)))
     click_part, cvr_part = _affinity(world, users, user, topic, domain, focus)
     noise = rng.normal(0, cfg.noise_std, (2, len(user)))
@@ -665,8 +735,24 @@ def _one_hot_list(values: np.ndarray) -> pa.ListArray:
     return _list_array(np.arange(len(values) + 1), values, pa.int64())
 
 
+def _next_item_candidates(
+    rng: np.random.Generator, world: World, events: _Events, end: np.ndarray, start: np.ndarray, t: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(item[n], launched[n])``: a successor of one of each row's last events (the a-th last with odds
+    ``TRANSITION_DECAY**a``), and whether it is launched by ``t[n]``. ``end``/``start``: the history's range."""
+    back = np.minimum(rng.geometric(1 - TRANSITION_DECAY, len(end)) - 1, end - start - 1)
+    item = world.item_successors[events.item[end - 1 - back], rng.integers(0, SUCCESSORS, len(end))]
+    return item, world.item_launch[item] <= t
+
+
 def _draw_impressions(
-    rng: np.random.Generator, world: World, users: _Users, events: _Events, rows: np.ndarray, first_id: int
+    rng: np.random.Generator,
+    world: World,
+    users: _Users,
+    events: _Events,
+    rows: np.ndarray,
+    first_id: int,
+    sequence_rng: np.random.Generator,
 ) -> tuple[dict[str, np.ndarray], pa.Table]:
     """The block's impressions: ``(arrays for stats, table in schema order)``, rows grouped by user, then time."""
     cfg = world.cfg
@@ -683,7 +769,7 @@ def _draw_impressions(
     start = np.maximum(first, end - cfg.max_history)
     hist_offsets, hist_index = _ranges(start, end - start)
 
-    # Candidate retrieval: recent history, audience targeting, or popularity.
+    # Candidate retrieval: recent history, audience targeting, the next items of the last events, or popularity.
     channel = rng.random(n)
     recent = events.topic[
         end - 1 - np.floor(rng.random(n) * np.minimum(RECENT_CHANNEL, end - first)).astype(np.int64)
@@ -701,6 +787,12 @@ def _draw_impressions(
         ),
     )
     item = world.sample_items(rng, topic, t)
+    hist_items = events.item[hist_index]
+    if cfg.transition_target_frac > 0:
+        next_item, launched = _next_item_candidates(sequence_rng, world, events, end, start, t)
+        targeted = cfg.recent_target_frac + cfg.audience_target_frac
+        use = launched & (channel >= targeted) & (channel < targeted + cfg.transition_target_frac)
+        item, topic = np.where(use, next_item, item), np.where(use, world.item_topic[next_item], topic)
     domain = _inverse_cdf(users.domain_cdf, user, rng.random(n))
     slot = _inverse_cdf(_cdf(np.array(SLOT_PROBS))[None], 0, rng.random(n))
     log_bid = world.item_log_bid[item] + rng.normal(0, 0.2, n)
@@ -733,6 +825,8 @@ def _draw_impressions(
         + SESSION_WEIGHT * np.exp(-gap_hours / 6.0)
         + noise[0]
     )
+    if cfg.transition_weight > 0:
+        click_logit += cfg.transition_weight * transition_affinity(world, hist_offsets, hist_items, item)
     cvr_logit = (
         world.domain_cvr_bias[domain]
         + cvr_part
@@ -773,7 +867,7 @@ def _draw_impressions(
         "ad_format": _one_hot_list(fmt),
         "price_bucket": _one_hot_list(price),
         "dense": _list_array(np.arange(n + 1) * dense.shape[1], dense.ravel(), pa.float32()),
-        "history_item_ids": _list_array(hist_offsets, events.item[hist_index], pa.int64()),
+        "history_item_ids": _list_array(hist_offsets, hist_items, pa.int64()),
         "history_actions": _list_array(hist_offsets, events.action[hist_index], pa.int32()),
         "history_timestamps": _list_array(hist_offsets, events.timestamp[hist_index], pa.int64()),
         "history_domains": _list_array(hist_offsets, events.domain[hist_index], pa.int32()),
@@ -934,9 +1028,11 @@ def _draw_block(
     lo = block * cfg.users_per_block
     ids = np.arange(lo, min(lo + cfg.users_per_block, cfg.num_users))
     rng = np.random.default_rng([cfg.seed, 2, block])
+    # The order-dependent terms draw from their own stream, so switching them off changes no other draw.
+    sequence_rng = np.random.default_rng([cfg.seed, 3, block])
     users = _draw_users(rng, world, ids)
-    events = _draw_events(rng, world, users, n_pre[ids], rate[ids])
-    arrays, table = _draw_impressions(rng, world, users, events, rows[ids], int(first_ids[lo]))
+    events = _draw_events(rng, world, users, n_pre[ids], rate[ids], sequence_rng)
+    arrays, table = _draw_impressions(rng, world, users, events, rows[ids], int(first_ids[lo]), sequence_rng)
     return arrays, table, np.searchsorted(split_at, arrays["seconds"], side="right")
 
 
