@@ -742,13 +742,18 @@ _PICKS: dict[tuple, triton.Config] = {}
 TUNED: dict[str, triton.Config] = {}
 
 
+def _pick_key(plain, dtype: torch.dtype, tuning: bool, tuned, kwargs) -> tuple:
+    """The key of ``_PICKS``: the kernel, dtype, whether autotuning is on and the autotuner's key arguments."""
+    return (plain.__name__, dtype, tuning, *(kwargs[name] for name in tuned.keys))
+
+
 def _launch_config(tuned, plain, cpu_blocks, kwargs, x, on_cuda) -> dict | None:
     """The block sizes and compile options a launch of ``plain`` on ``x``'s dtype and device takes, as
     :mod:`kernels.triton.configs` says; None where the autotuner is to pick them."""
     if not on_cuda:
         return cpu_blocks
     tuning = _autotune_enabled()
-    pick = (plain.__name__, x.dtype, tuning, *(kwargs[name] for name in tuned.keys))
+    pick = _pick_key(plain, x.dtype, tuning, tuned, kwargs)
     config = _PICKS.get(pick)
     if config is None:
         config = checked_in_pick(x.device, entry_key(plain.__name__, x.dtype, tuned.keys, kwargs))
@@ -773,7 +778,7 @@ def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, k
                 )
             return
         tuned[lambda meta: (batch_heads * triton.cdiv(grid_rows, meta[block_key]),)](*args, **kwargs)
-        pick = (plain.__name__, args[0].dtype, True, *(kwargs[name] for name in tuned.keys))
+        pick = _pick_key(plain, args[0].dtype, True, tuned, kwargs)
         _PICKS[pick] = TUNED[entry_key(plain.__name__, args[0].dtype, tuned.keys, kwargs)] = tuned.best_config
         return
     plain[(batch_heads * triton.cdiv(grid_rows, config[block_key]),)](*args, **kwargs, **config)
