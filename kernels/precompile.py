@@ -220,6 +220,8 @@ def default_workers() -> int:
 
 # Longer than a cold compile of every kernel a step launches, one after another.
 COMPILE_TIMEOUT_S = 300.0
+CLOSE_TIMEOUT_S = 10.0
+STOP = "stop"  # what a worker reads as its last request
 
 
 class KernelCompilePool:
@@ -272,13 +274,19 @@ class KernelCompilePool:
             seconds=time.perf_counter() - start, workers=self.workers,
         )
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the workers: each is told to exit (end of input is not enough: a process forked after the pool
+        started, e.g. a DataLoader worker, holds copies of the pipes' write ends), and those still running after
+        ``timeout_s`` in all are killed."""
         for process in self.processes:
+            with contextlib.suppress(OSError, ValueError):
+                _send(process.stdin, STOP)
             with contextlib.suppress(OSError):
                 process.stdin.close()
+        deadline = time.perf_counter() + timeout_s
         for process in self.processes:
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=max(0.0, deadline - time.perf_counter()))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
@@ -427,6 +435,8 @@ def _worker(device: int, preload: list[str]) -> None:
         try:
             spec = _receive(requests)
         except EOFError:
+            return
+        if spec == STOP:
             return
         error = broken
         if error is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -273,3 +274,23 @@ def test_the_harness_switch_is_on_for_one_device_and_adds_the_callback():
     cfg, off = resolved("train.precompile_kernels=false")
     assert not off and not any(isinstance(c, PrecompileKernels) for c in build_trainer(cfg, None, None).callbacks)
     assert not resolved("parallel.enabled=true")[1]
+
+
+def test_the_pool_closes_promptly_while_a_forked_process_holds_its_pipes():
+    """A DataLoader worker forked after the pool started holds copies of the pipes' write ends, so the workers
+    never see the end of their input: closing must tell them to stop, not wait for that end."""
+    with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
+        pool.compile([])
+        holder = os.fork()
+        if holder == 0:  # the forked child only keeps the inherited pipes open for a while
+            time.sleep(60)
+            os._exit(0)
+        try:
+            start = time.perf_counter()
+            pool.close(timeout_s=20.0)
+            elapsed = time.perf_counter() - start
+            assert all(process.returncode == 0 for process in pool.processes)
+        finally:
+            os.kill(holder, signal.SIGKILL)
+            os.waitpid(holder, 0)
+    assert elapsed < 15.0
