@@ -87,7 +87,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _T0 = time.perf_counter()
@@ -149,12 +149,22 @@ def prepare_world(args: argparse.Namespace, directory: Path) -> dict:
     }
 
 
-def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict, pool=None) -> dict:
+def open_batches(data_dir: Path, data_cfg: DataConfig, args) -> Iterator:
+    """The training batches of ``data_cfg``, padded to static shapes with ``args.bucketed``. Opening the iterator
+    starts the loader's workers, which then prepare the first batches in the background."""
+    stream = EventStream(data_dir, "train", data_cfg, training=True)
+    shapes = static_shapes(data_cfg.token_budget, data_cfg.max_len, args.bucketed) if args.bucketed else None
+    return iter(build_dataloader(PaddedBatches(stream, shapes) if shapes else stream, data_cfg))
+
+
+def train(
+    model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict, pool=None, batches=None
+) -> dict:
     """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses. With
     ``args.precompile``, the first batch's kernels are compiled first (in ``pool`` when given), inside the
-    first step's time."""
+    first step's time. ``batches``: :func:`open_batches` of ``data_cfg`` opened earlier (e.g. before the model
+    build, so that the first batch is ready when the model is), else opened here."""
     use_cuda = device.type == "cuda"
-    stream = EventStream(data_dir, "train", data_cfg, training=True)
     times, flops, tokens, rows, max_lens, losses, padded = [], [], [], [], [], [], []
     train_step = make_eager_step(model, optimizer, device, args.precision, cast_once=args.cast_once)
     shapes = static_shapes(data_cfg.token_budget, data_cfg.max_len, args.bucketed) if args.bucketed else None
@@ -171,8 +181,7 @@ def train(model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, 
             torch.cuda.synchronize(device)
         return loss
 
-    loader = build_dataloader(PaddedBatches(stream, shapes) if shapes else stream, data_cfg)
-    batches = iter(loader)
+    batches = batches if batches is not None else open_batches(data_dir, data_cfg, args)
     start = last = time.perf_counter()
     for batch in batches:
         if len(times) == args.steps:
@@ -413,8 +422,10 @@ def run(args: argparse.Namespace) -> dict:
         if max_history > cfg.max_len:
             raise ValueError(f"--max-history {max_history} exceeds the flavor's max_len {cfg.max_len}")
         marks: dict = {"build_start": time.perf_counter()}
-        # Started before the build, so that the compile workers' start-up overlaps it and the first batch.
+        # Started before the build, so that the compile workers' start-up and the loader's first batches
+        # overlap it.
         pool = compile_pool(args, device)
+        first_batches = open_batches(data_dir, data_config(args, data_dir, max_history, args.token_budget), args)
         model = build_teacher(cfg, schema).to(device)
         # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -425,26 +436,19 @@ def run(args: argparse.Namespace) -> dict:
         peak = peak_flops(device_name, PRECISIONS[args.precision]) if device.type == "cuda" else None
         budget, failed = args.token_budget, []
         while True:
-            data_cfg = DataConfig(
-                path=str(data_dir),
-                max_len=max_history,
-                batch_size=args.rows,
-                token_budget=budget,
-                num_workers=args.workers,
-                seed=args.seed,
-                pin_memory=True,
-            )
+            data_cfg = data_config(args, data_dir, max_history, budget)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             oom = False
             try:
-                trace = train(model, optimizer, data_dir, data_cfg, args, device, marks, pool)
+                trace = train(model, optimizer, data_dir, data_cfg, args, device, marks, pool, first_batches)
             except torch.cuda.OutOfMemoryError as err:
                 oom = True
                 print(f"OOM at token budget {budget}: {str(err).splitlines()[0]}", flush=True)
             if not oom:
                 break
             failed.append(budget)
+            first_batches = None  # batches of the smaller budget are opened by the next attempt
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.empty_cache()
@@ -497,6 +501,18 @@ def teacher_config(args: argparse.Namespace):
     apply_overrides(cfg, args.overrides)
     cfg.check()
     return cfg
+
+
+def data_config(args: argparse.Namespace, data_dir: Path, max_history: int, token_budget: int) -> DataConfig:
+    return DataConfig(
+        path=str(data_dir),
+        max_len=max_history,
+        batch_size=args.rows,
+        token_budget=token_budget,
+        num_workers=args.workers,
+        seed=args.seed,
+        pin_memory=True,
+    )
 
 
 def compile_pool(args: argparse.Namespace, device: torch.device) -> KernelCompilePool | None:
