@@ -76,6 +76,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -826,7 +827,7 @@ def plot(summary_path: Path, png: Path) -> None:
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("training FLOPs (model FLOPs of the steps trained, to the best valid epoch)")
     ax.set_ylabel("test click NE (lower is better)")
-    ax.set_title(f"Teacher vs DLRM: {summary['data']}", fontsize=9)
+    ax.set_title(textwrap.fill(f"Teacher vs DLRM: {summary['data']}", 90), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
