@@ -45,9 +45,9 @@ preference, and its action is 0 view, 1 click or 2 conversion, drawn from the sa
 as impressions (with an organic base rate of about 20% engagement). **Transitions** (off by default): every
 item has ``SUCCESSORS`` (3) "next" items (what people tend to engage with right after it: a sequel, an accessory,
 the next step), ``transition_locality`` of them drawn from the item's own topic (a next item resembles the one
-before it, so a model that compares items can find it) and the rest at random from the catalogue, and ``transition_rate`` of a user's events (all but the first
-materialised one) are instead a successor of the previous event's item, when that is launched by then, so
-histories hold chains of successors. A row stores the user's most recent ``max_history`` events strictly before
+before it, so a model that compares items can find it) and the rest at random from the catalogue, and
+``transition_rate`` of a user's events (all but the first materialised one) are instead a successor of the
+previous event's item, when that is launched by then, so histories hold chains of successors. A row stores the user's most recent ``max_history`` events strictly before
 its timestamp, oldest first; only those are ever materialised, so the cost does not grow with ``N_u``.
 
 **Impressions.** Rows are spread over users in proportion to ``rate_u ** 0.4`` (heavy users see
@@ -515,6 +515,7 @@ def _draw_successors(cfg: SynthConfig, item_topic: np.ndarray, order: np.ndarray
     pick = np.floor(rng.random((n_items, SUCCESSORS)) * others[:, None]).astype(np.int64)
     pick += start[item_topic][:, None]
     pick += pick >= rank[:, None]  # skips the item itself
+    # An item alone in its topic is never local; the clip only keeps its unused index in range.
     return np.where(local, order[np.minimum(pick, n_items - 1)], successors)
 
 
