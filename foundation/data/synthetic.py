@@ -47,8 +47,9 @@ item has ``SUCCESSORS`` (3) "next" items (what people tend to engage with right 
 the next step), ``transition_locality`` of them drawn from the item's own topic (a next item resembles the one
 before it, so a model that compares items can find it) and the rest at random from the catalogue, and
 ``transition_rate`` of a user's events (all but the first materialised one) are instead a successor of the
-previous event's item, when that is launched by then, so histories hold chains of successors. A row stores the user's most recent ``max_history`` events strictly before
-its timestamp, oldest first; only those are ever materialised, so the cost does not grow with ``N_u``.
+previous event's item, when that is launched by then, so histories hold chains of successors. A row stores the
+user's most recent ``max_history`` events strictly before its timestamp, oldest first; only those are ever
+materialised, so the cost does not grow with ``N_u``.
 
 **Impressions.** Rows are spread over users in proportion to ``rate_u ** 0.4`` (heavy users see
 more ads, but every user has few rows, so nothing can be learnt by memorising ``user_id``: the
