@@ -4,6 +4,7 @@ Usage::
 
     python -m experiments.world_signal --out /tmp/world-signal --examples 400000 --history 1024 --probe-rows 150000
     python -m experiments.world_signal --preset sequential --out /tmp/world-signal-seq --examples 100000 --history 256
+    python -m experiments.world_signal --preset sequential --transition-locality 0 --out /tmp/ws-seq-uniform
 
 Two measurements on a preset (``default``) (issue 16, item 5: can a sequence model beat a DLRM that mean-pools the
 same 1,024 events?):
@@ -24,7 +25,11 @@ same 1,024 events?):
    weights ``exp(-age / 7 days)``). In a world with transitions both sides also get the share of events whose
    successors include the candidate: over all events and clicked ones (pooled: a bag of item ids can hold it),
    against over the last 1 and 8 events and the world's position-decayed sum (order). The NE it gains on test is
-   order-dependent signal a simple model can use.
+   order-dependent signal a simple model can use. Those features read the world's successor map, which a model
+   must learn pair by pair; the ``probe_compare_*`` probes leave them out and add what a model that only compares
+   items can compute, the share of events of the candidate's topic (over all and clicked events against over the
+   last 1 and 8): with ``transition_locality`` > 0 a successor shares its item's topic, so this reaches part of
+   the transition term.
 
 Prints one JSON object (test click NE of each predictor).
 """
@@ -61,6 +66,9 @@ def ablations(cfg: SynthConfig) -> dict[str, dict[str, float]]:
     """The worlds to measure ``cfg`` against: the transition ones only where ``cfg`` has the term."""
     return {**ABLATIONS, **(TRANSITION_ABLATIONS if cfg.transition_weight > 0 else {})}
 DAY = 86_400.0
+# feature groups of history_features per probe: 0 pooled, 1 order, 2 pooled_table, 3 order_table
+PROBES = {"probe_pooled": (0, 2), "probe_pooled_and_order": (0, 1, 2, 3),
+          "probe_compare_pooled": (0,), "probe_compare_pooled_and_order": (0, 1)}
 
 
 def world(cfg: SynthConfig, directory: Path, workers: int) -> Path:
@@ -121,7 +129,9 @@ def oracle_triples(full: Path, other: Path, split: str) -> tuple[tuple, tuple]:
 
 
 def history_features(w: World, directory: Path, split: str, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """``(pooled[N, P], order[N, Q], click[N])`` for ``rows`` rows of ``split`` drawn at random (all when fewer)."""
+    """``(pooled[N, P], order[N, Q], pooled_table[N, R], order_table[N, S], click[N])`` for ``rows`` rows of
+    ``split`` drawn at random (all when fewer). The ``*_table`` features read the world's successor map (a zero
+    column in a world without transitions); the others only compare the candidate with the history's items."""
     columns = ["history_item_ids", "history_timestamps", "history_actions", "item_id", "item_topic", "domain",
                "timestamp", "dense", "click"]
     table = read_split(directory, split, columns)
@@ -151,19 +161,23 @@ def history_features(w: World, directory: Path, split: str, rows: int, seed: int
     recent = [weighted_mean((from_end < k).astype(float)) for k in (1, 8, 32)]
     decayed = weighted_mean(np.exp(-age / 7.0))
     order = [*recent, decayed, domain * decayed[:, None], domain * recent[1][:, None]]
+    pooled_table, order_table = [np.zeros(n)], [np.zeros(n)]
     if w.cfg.transition_weight > 0:
         candidate = table.column("item_id").to_numpy()
+        same_topic = (w.item_topic[items] == topic[row]).astype(float)
         follows = (w.item_successors[items] == candidate[row, None]).any(axis=1).astype(float)
 
-        def share(weight: np.ndarray) -> np.ndarray:
-            return np.bincount(row, weights=follows * weight, minlength=n) / np.maximum(
+        def share(hit: np.ndarray, weight: np.ndarray) -> np.ndarray:
+            return np.bincount(row, weights=hit * weight, minlength=n) / np.maximum(
                 np.bincount(row, weights=weight, minlength=n), 1e-12)
 
-        pooled += [share(np.ones(len(items))), share(clicked.astype(float))]
-        order += [share((from_end < 1).astype(float)), share((from_end < 8).astype(float)),
-                  transition_affinity(w, offsets, items, candidate)]
+        last = [(from_end < k).astype(float) for k in (1, 8)]
+        pooled += [share(same_topic, np.ones(len(items))), share(same_topic, clicked.astype(float))]
+        order += [share(same_topic, weight) for weight in last]
+        pooled_table = [share(follows, np.ones(len(items))), share(follows, clicked.astype(float))]
+        order_table = [*(share(follows, weight) for weight in last), transition_affinity(w, offsets, items, candidate)]
     click = table.column("click").to_numpy().astype(np.float64)
-    features = (np.column_stack(pooled), np.column_stack(order), click)
+    features = (*(np.column_stack(f) for f in (pooled, order, pooled_table, order_table)), click)
     return tuple(torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in features)
 
 
@@ -171,16 +185,18 @@ def probe(w: World, directory: Path, train_rows: int) -> dict[str, float]:
     """Test click NE of the linear probe on pooled features, and on pooled + order-dependent ones."""
     train, test = history_features(w, directory, "train", train_rows, 0), history_features(w, directory, "test", 10**9, 1)
     out = {}
-    for name, pick in (("probe_pooled", lambda f: f[0]), ("probe_pooled_and_order", lambda f: torch.cat(f[:2], 1))):
-        x, x_test = pick(train), pick(test)
+    for name, groups in PROBES.items():
+        x, x_test = (torch.cat([f[g] for g in groups], 1) for f in (train, test))
         mean, std = x.mean(0), x.std(0).clamp_min(1e-6)  # standardised: one L2 weight fits every feature
-        weights = fit_logistic((x - mean) / std, train[2])
-        out[name] = normalized_entropy(predict(weights, (x_test - mean) / std), test[2])
+        weights = fit_logistic((x - mean) / std, train[-1])
+        out[name] = normalized_entropy(predict(weights, (x_test - mean) / std), test[-1])
     return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
-    cfg = synth_preset(args.preset, num_examples=args.examples, max_history=args.history, users_per_block=1024)
+    locality = {} if args.transition_locality is None else {"transition_locality": args.transition_locality}
+    cfg = synth_preset(args.preset, num_examples=args.examples, max_history=args.history, users_per_block=1024,
+                       **locality)
     out_dir = Path(args.out)
     full = world(cfg, out_dir / "full", args.workers)
     valid, test = oracle_triples(full, full, "valid"), oracle_triples(full, full, "test")
@@ -203,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--examples", type=int, default=400_000)
     parser.add_argument("--history", type=int, default=1024)
     parser.add_argument("--probe-rows", type=int, default=150_000, help="train rows the linear probe fits on")
+    parser.add_argument("--transition-locality", type=float, default=None,
+                        help="override the preset's SynthConfig.transition_locality (e.g. 0: uniform successors)")
     parser.add_argument("--workers", type=int, default=1, help="processes generating each world")
     return parser
 

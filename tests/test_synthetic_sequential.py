@@ -110,6 +110,40 @@ def test_histories_chain_items_and_candidates_follow_the_last_events(worlds, tmp
     assert near.mean() > 0.8 * cfg.transition_target_frac
 
 
+def test_uniform_successor_map_is_unchanged():
+    """Pinned from the generator before ``transition_locality`` existed: locality 0 draws nothing new."""
+    successors = make_world(synth_preset("debug", **ON)).item_successors
+    assert int(successors.sum()) == 1_495_771
+    assert int((successors * np.arange(successors.size).reshape(successors.shape)).sum() % 1_000_003) == 870_916
+
+
+@pytest.mark.parametrize("locality", [0.0, 0.5, 1.0])
+def test_locality_draws_that_share_of_successors_from_the_item_topic(locality):
+    world = make_world(synth_preset("debug", num_items=20_000, transition_locality=locality, **ON))
+    successors, items = world.item_successors, np.arange(world.cfg.num_items)
+    same_topic = (world.item_topic[successors] == world.item_topic[:, None]).mean()
+    chance = np.sum(np.bincount(world.item_topic) ** 2) / len(items) ** 2  # a uniform draw's odds of the same topic
+    assert same_topic == pytest.approx(locality + (1 - locality) * chance, abs=0.01)
+    if locality == 1.0:
+        assert (successors != items[:, None]).all()  # a next item is another item
+    # The rest of the world does not depend on the map.
+    plain = make_world(synth_preset("debug", num_items=20_000, **ON))
+    np.testing.assert_array_equal(world.item_topic, plain.item_topic)
+    np.testing.assert_array_equal(world.sampler_cum, plain.sampler_cum)
+
+
+def test_local_transitions_put_the_candidate_in_the_topic_of_the_events_it_follows(tmp_path):
+    cfg = synth_preset("debug", **SMALL, **ON, transition_locality=1.0)
+    rows, world = _rows(cfg, tmp_path), make_world(cfg)
+    offsets, items = _history(rows)
+    candidate = rows.column("item_id").to_numpy()
+    term = transition_affinity(world, offsets, items, candidate)
+    assert (term > 0).mean() > 0.1
+    follows = np.flatnonzero(term >= 1)  # the last event's successor
+    last_topic = world.item_topic[items[offsets[follows + 1] - 1]]
+    np.testing.assert_array_equal(world.item_topic[candidate[follows]], last_topic)
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -119,6 +153,9 @@ def test_histories_chain_items_and_candidates_follow_the_last_events(worlds, tmp
         ({"transition_weight": -1.0}, "transition_weight"),
         ({"transition_weight": float("nan")}, "transition_weight"),
         ({"transition_target_frac": 0.5}, "transition_target_frac must be <= 1"),
+        ({"transition_locality": -0.1}, "transition_locality"),
+        ({"transition_locality": 1.5}, "transition_locality"),
+        ({"transition_locality": float("nan")}, "transition_locality"),
     ],
 )
 def test_bad_transition_config_is_a_one_line_error(change, field):
@@ -130,10 +167,11 @@ def test_bad_transition_config_is_a_one_line_error(change, field):
 def test_sequential_preset_reaches_the_measurement_and_the_scaling_plans():
     cfg = synth_preset("sequential")
     assert cfg.transition_weight > 0 and cfg.transition_rate > 0 and cfg.transition_target_frac > 0
+    assert cfg.transition_locality > 0
     assert "no_transition" in ablations(cfg) and "no_transition" not in ablations(synth_preset("default"))
     plan, own = build_plan("trained", "sequential"), build_plan("trained")
     assert plan.world == dataclasses.replace(
         own.world, transition_rate=cfg.transition_rate, transition_target_frac=cfg.transition_target_frac,
-        transition_weight=cfg.transition_weight,
+        transition_weight=cfg.transition_weight, transition_locality=cfg.transition_locality,
     )
     assert plan.sizes == own.sizes and plan.label != own.label

@@ -40,7 +40,10 @@ def test_measurement_on_a_small_world(tmp_path, capsys):
     out = capsys.readouterr().out
     result = json.loads(out[out.index("{"):])
     assert set(result) == {"oracle", "oracle_platt", "oracle_no_recency_platt", "oracle_no_noise_platt",
-                           "probe_pooled", "probe_pooled_and_order"}
+                           "probe_pooled", "probe_pooled_and_order", "probe_compare_pooled",
+                           "probe_compare_pooled_and_order"}
+    # Without transitions the successor-map features are a zero column: the probes with and without them agree.
+    assert result["probe_pooled"] == pytest.approx(result["probe_compare_pooled"], abs=2e-4)
     # The truth beats the truth without a term, and both beat a linear probe of the history.
     assert result["oracle_platt"] < min(result["oracle_no_recency_platt"], result["oracle_no_noise_platt"])
     assert max(result["oracle_no_recency_platt"], result["oracle_no_noise_platt"]) < result["probe_pooled"] < 1.05
@@ -50,7 +53,7 @@ def test_transitions_are_measured_where_the_world_has_them(tmp_path, capsys, mon
     sequential = synth_preset("sequential")
     monkeypatch.setitem(SYNTH_PRESETS, "debug-sequential", synth_preset(
         "debug", transition_rate=sequential.transition_rate, transition_target_frac=sequential.transition_target_frac,
-        transition_weight=sequential.transition_weight))
+        transition_weight=sequential.transition_weight, transition_locality=sequential.transition_locality))
     argv = ["--out", str(tmp_path), "--preset", "debug-sequential", "--examples", "40000", "--history", "64",
             "--probe-rows", "16000"]
     assert main(argv) == 0
@@ -60,3 +63,5 @@ def test_transitions_are_measured_where_the_world_has_them(tmp_path, capsys, mon
     # The transition term is worth NE to the oracle, and a linear probe finds part of it in the order.
     assert result["oracle_no_transition_platt"] - result["oracle_platt"] > 0.03
     assert result["probe_pooled_and_order"] < result["probe_pooled"] - 0.01
+    # Successors share their item's topic, so comparing the candidate with the last events finds part of it too.
+    assert result["probe_compare_pooled_and_order"] < result["probe_compare_pooled"] - 0.01

@@ -43,11 +43,13 @@ window. An event's topic is core / dormant / focus / a popular topic (by the rat
 is drawn from that topic by popularity among launched items, its domain from the user's domain
 preference, and its action is 0 view, 1 click or 2 conversion, drawn from the same affinity model
 as impressions (with an organic base rate of about 20% engagement). **Transitions** (off by default): every
-item has ``SUCCESSORS`` (3) "next" items drawn at random from the catalogue (what people tend to engage with right
-after it: a sequel, an accessory, the next step), and ``transition_rate`` of a user's events (all but the first
-materialised one) are instead a successor of the previous event's item, when that is launched by then, so
-histories hold chains of successors. A row stores the user's most recent ``max_history`` events strictly before
-its timestamp, oldest first; only those are ever materialised, so the cost does not grow with ``N_u``.
+item has ``SUCCESSORS`` (3) "next" items (what people tend to engage with right after it: a sequel, an accessory,
+the next step), ``transition_locality`` of them drawn from the item's own topic (a next item resembles the one
+before it, so a model that compares items can find it) and the rest at random from the catalogue, and
+``transition_rate`` of a user's events (all but the first materialised one) are instead a successor of the
+previous event's item, when that is launched by then, so histories hold chains of successors. A row stores the
+user's most recent ``max_history`` events strictly before its timestamp, oldest first; only those are ever
+materialised, so the cost does not grow with ``N_u``.
 
 **Impressions.** Rows are spread over users in proportion to ``rate_u ** 0.4`` (heavy users see
 more ads, but every user has few rows, so nothing can be learnt by memorising ``user_id``: the
@@ -167,6 +169,8 @@ class SynthConfig:
 
     ``transition_rate``, ``transition_target_frac`` and ``transition_weight`` (all 0 by default, which leaves the
     world exactly as without them) turn on the item-to-item transitions of the module docstring.
+    ``transition_locality`` in [0, 1] is the share of each item's successors drawn from its own topic instead of
+    the whole catalogue (0, the default, draws nothing more).
 
     ``num_examples`` impressions are written across the three splits; ``max_history`` caps the stored
     history per row (the most recent events are kept); ``users_per_block`` bounds memory (a block's
@@ -211,6 +215,7 @@ class SynthConfig:
     transition_rate: float = 0.0
     transition_target_frac: float = 0.0
     transition_weight: float = 0.0
+    transition_locality: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -267,6 +272,8 @@ class SynthConfig:
             )
         if not 0 <= self.transition_rate < 1:
             raise ValueError(f"SynthConfig.transition_rate must lie in [0, 1), got {self.transition_rate}")
+        if not 0 <= self.transition_locality <= 1:
+            raise ValueError(f"SynthConfig.transition_locality must lie in [0, 1], got {self.transition_locality}")
         if not self.min_history <= self.history_limit:
             raise ValueError("SynthConfig: min_history must be <= history_limit")
         if self.window_days <= 0 or self.phase_days <= 0:
@@ -482,13 +489,35 @@ def make_world(cfg: SynthConfig) -> World:
         item_cvr=item_cvr,
         item_log_bid=0.5 * item_cvr + rng.normal(0, 0.4, n_items),
         item_launch=item_launch,
-        # Its own stream: the map exists in every world, and drawing it changes none of the other draws.
-        item_successors=np.random.default_rng([cfg.seed, 4]).integers(0, n_items, (n_items, SUCCESSORS)),
+        item_successors=_draw_successors(cfg, item_topic, order),
         sampler_items=order,
         sampler_keys=item_topic[order] * KEY_SPAN + (item_launch[order] - EVERGREEN),
         sampler_cum=cum,
         topic_start=np.searchsorted(item_topic[order], np.arange(k)),
     )
+
+
+def _draw_successors(cfg: SynthConfig, item_topic: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``[I, SUCCESSORS]``: each item's next items, ``transition_locality`` of them another item of its topic.
+
+    ``order[I]`` lists the items grouped by topic. Its own stream: the map exists in every world, and drawing it
+    changes none of the other draws; at locality 0 it is exactly the uniform map.
+    """
+    rng = np.random.default_rng([cfg.seed, 4])
+    n_items = len(item_topic)
+    successors = rng.integers(0, n_items, (n_items, SUCCESSORS))
+    if cfg.transition_locality == 0:
+        return successors
+    start = np.searchsorted(item_topic[order], np.arange(cfg.num_topics))
+    others = np.diff(start, append=n_items)[item_topic] - 1  # items of the same topic, the item itself left out
+    rank = np.empty(n_items, dtype=np.int64)
+    rank[order] = np.arange(n_items)
+    local = (rng.random((n_items, SUCCESSORS)) < cfg.transition_locality) & (others[:, None] > 0)
+    pick = np.floor(rng.random((n_items, SUCCESSORS)) * others[:, None]).astype(np.int64)
+    pick += start[item_topic][:, None]
+    pick += pick >= rank[:, None]  # skips the item itself
+    # An item alone in its topic is never local; the clip only keeps its unused index in range.
+    return np.where(local, order[np.minimum(pick, n_items - 1)], successors)
 
 
 def _user_activity(cfg: SynthConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
