@@ -237,6 +237,7 @@ class KernelCompilePool:
 
     def __init__(self, workers: int | None = None, *, device: int = 0, modules: Sequence[str] | None = None) -> None:
         self.workers = workers or default_workers()
+        settle_cache_keys()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         preload = ",".join(modules if modules is not None else kernel_modules())
         command = [sys.executable, "-m", __name__, "--device", str(device), "--preload", preload]
@@ -385,6 +386,45 @@ def kernel_modules() -> list[str]:
     return [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
 
 
+def settle_cache_keys(modules: Sequence[str] | None = None) -> int:
+    """Give the ``@triton.jit`` functions of ``modules`` (default :func:`kernel_modules`) the cache keys that every
+    process computes for them, whatever it compiled before; returns how many. Both sides of a precompile call
+    it (the caller when its pool starts, each worker after its imports), so a worker's artifact lands under the
+    key the caller's launch looks up.
+
+    Why: a kernel's key hashes the ``constexpr`` globals that it and the functions it calls read. Triton 3.6 merges
+    a called function's globals into its caller's before it hashes that function, so a caller hashed before its
+    callees misses their globals: its key depends on which kernels the process hashed first (the backward's,
+    whose helpers the forward hashed, differ between a worker and the training process). Triton 3.9 hashes the
+    callee first; so does this, for any version: it wraps the hash step to do that, then rehashes the modules'
+    functions. Nothing to do in the interpreter, which compiles nothing.
+    """
+    if interpreted():
+        return 0
+    from triton.runtime.jit import DependenciesFinder, JITFunction
+
+    update_hash = DependenciesFinder._update_hash
+    if not getattr(update_hash, "callee_first", False):
+
+        def callee_first(finder, func):
+            func.cache_key  # noqa: B018  (computes the callee's key and its globals before they are merged)
+            update_hash(finder, func)
+
+        callee_first.callee_first = True
+        DependenciesFinder._update_hash = callee_first
+    functions = {
+        id(value): value
+        for module in (modules if modules is not None else kernel_modules())
+        for value in vars(importlib.import_module(module)).values()
+        if isinstance(value, JITFunction)
+    }
+    for function in functions.values():
+        function.hash = None
+    for function in functions.values():
+        function.cache_key  # noqa: B018
+    return len(functions)
+
+
 def _cost(spec: LaunchSpec) -> int:
     """A deterministic guess of a spec's compile time, for longest-first scheduling: its kernel's source length."""
     try:
@@ -450,6 +490,7 @@ def _worker(device: int, preload: list[str]) -> None:
 def _set_up_worker(device: int, preload: list[str]) -> None:
     for module in preload:
         importlib.import_module(module)
+    settle_cache_keys(preload)
     from triton.runtime import driver
 
     if device:  # a context on device 0 would cost memory and time for nothing: a compile needs none
