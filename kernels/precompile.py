@@ -371,6 +371,38 @@ def skip_reason(specs: Sequence[LaunchSpec]) -> str:
     return ""
 
 
+def cache_entries() -> frozenset[str]:
+    """The entries of Triton's on-disk cache (``TRITON_CACHE_DIR``); empty in the interpreter, which compiles
+    nothing, and before the cache exists."""
+    if interpreted():
+        return frozenset()
+    from triton import knobs
+
+    directory = knobs.cache.dir
+    return frozenset(os.listdir(directory)) if directory and os.path.isdir(directory) else frozenset()
+
+
+def compiled_since(before: frozenset[str]) -> list[str]:
+    """The kernels compiled into Triton's cache since it held the entries ``before`` (:func:`cache_entries`), by
+    name, sorted: a kernel's entry holds its group file ``__grp__<name>.json`` (a launcher's or an autotuning
+    result's holds none)."""
+    from triton import knobs
+
+    names = []
+    for entry in sorted(cache_entries() - before):
+        with contextlib.suppress(OSError):
+            names += [f[len("__grp__"):-len(".json")] for f in os.listdir(os.path.join(knobs.cache.dir, entry))
+                      if f.startswith("__grp__") and f.endswith(".json")]
+    return sorted(names)
+
+
+def compiled_line(what: str, names: Sequence[str]) -> str:
+    """One log line: how many kernels ``what`` compiled itself (the precompile's misses) and which."""
+    counts = Counter(names)
+    listed = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in sorted(counts.items()))
+    return f"{what}: {len(names)} Triton kernels compiled in-process (cache misses){': ' + listed if names else ''}"
+
+
 def summary_line(report: PrecompileReport) -> str:
     line = f"kernel precompile: {report.compiled}/{report.specs} specs in {report.seconds:.1f} s on {report.workers} workers"
     if report.failed:

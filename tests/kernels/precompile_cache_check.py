@@ -5,6 +5,7 @@ line: the pool's report, the cache entries it made, and the entries the real lau
 the pool's) with the kernels that added them.
 
 ``python -m tests.kernels.precompile_cache_check layer_norm``: a fused LayerNorm's forward and backward.
+``--cold`` after either: the pool compiles nothing (the real launches compile every kernel).
 ``... teacher``: a tiny teacher's bucketed training step (every kernel on Triton), recorded as
 :func:`gem.precompile.precompile_step` records it and run as ``bench_teacher --bucketed`` runs it
 (:class:`gem.loop.StaticStep` on a padded batch), under bf16 autocast, then in float32.
@@ -21,7 +22,13 @@ from triton.runtime import jit
 
 import tests.kernels.compile_only_driver  # noqa: F401  (the active driver: compile for sm_90, launch nothing)
 from kernels import layer_norm
-from kernels.precompile import KernelCompilePool, kernel_modules, record_launches
+from kernels.precompile import (
+    KernelCompilePool,
+    cache_entries,
+    compiled_since,
+    kernel_modules,
+    record_launches,
+)
 
 
 def layer_norm_step() -> None:
@@ -65,12 +72,13 @@ def entries(cache: str) -> set[str]:
     return set(os.listdir(cache)) if os.path.isdir(cache) else set()
 
 
-def main(step: str) -> None:
+def main(step: str, cold: bool) -> None:
     cache = os.environ["TRITON_CACHE_DIR"]
     specs, run_step = {"layer_norm": layer_norm_steps, "teacher": teacher_steps}[step]()
     with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
-        report = pool.compile(specs)
+        report = pool.compile([] if cold else specs)
     made = entries(cache)
+    before = cache_entries()
     run = jit.JITFunction.run
     missed: list[str] = []
 
@@ -89,8 +97,9 @@ def main(step: str) -> None:
     print(json.dumps({
         "specs": report.specs, "compiled": report.compiled, "failed": report.failed, "cache_entries": len(made),
         "entries_added_by_the_real_launches": sorted(entries(cache) - made), "kernels_compiled_by_the_real_launches": missed,
+        "compiled_since": compiled_since(before),
     }))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "layer_norm")
+    main(sys.argv[1] if len(sys.argv) > 1 else "layer_norm", "--cold" in sys.argv[2:])

@@ -26,6 +26,7 @@ from kernels.precompile import (
     KernelCompilePool,
     LaunchSpec,
     Pointer,
+    compiled_line,
     kernel_modules,
     launch_spec,
     precompile,
@@ -270,6 +271,18 @@ def test_the_pool_fills_the_cache_the_real_launches_read(tmp_path, step, specs):
     assert specs is None or result["specs"] == specs
     assert result["kernels_compiled_by_the_real_launches"] == []
     assert result["entries_added_by_the_real_launches"] == []
+
+
+@pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
+def test_the_kernels_a_step_compiles_itself_are_named(tmp_path):
+    """What ``bench_teacher`` logs after its first step: the kernels it compiled in-process (new cache entries), by
+    name; none once they are in the cache."""
+    result = _run_check("tests.kernels.precompile_cache_check", "layer_norm", "--cold", env=_without_interpreter(tmp_path))
+    assert result["compiled_since"] == sorted(result["kernels_compiled_by_the_real_launches"])
+    assert result["compiled_since"] == ["_ln_bwd_kernel", "_ln_fwd_kernel"]
+    line = compiled_line("first step", result["compiled_since"])
+    assert line == "first step: 2 Triton kernels compiled in-process (cache misses): _ln_bwd_kernel, _ln_fwd_kernel"
+    assert compiled_line("first step", []) == "first step: 0 Triton kernels compiled in-process (cache misses)"
 
 
 def test_cache_keys_do_not_depend_on_what_a_process_hashed_first(tmp_path):
