@@ -55,7 +55,9 @@ a proxy for the GPU step's host work. Trailing ``field=value`` arguments overrid
 ``--precompile`` (default on CUDA) records the first batch's Triton launches before its step and compiles them in
 ``--precompile-workers`` processes started before the model build (:mod:`gem.precompile`,
 :mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one after another inside
-the first step; ``precompile_s`` (recording and compiling) is part of the first step's time. Fresh-machine
+the first step; ``precompile_s`` (recording and compiling) is part of the first step's time. After the first step
+one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
+in Triton's cache: what the precompile missed). Fresh-machine
 measurement (an empty cache each run)::
 
     TRITON_CACHE_DIR=$(mktemp -d) python -m experiments.bench_teacher --flavor large --data /tmp/world \
@@ -121,7 +123,13 @@ from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
 from gem.loop import GraphConfig, StaticStep  # noqa: E402
 from gem.precompile import precompile_step  # noqa: E402
-from kernels.precompile import KernelCompilePool, skip_reason  # noqa: E402
+from kernels.precompile import (  # noqa: E402
+    KernelCompilePool,
+    cache_entries,
+    compiled_line,
+    compiled_since,
+    skip_reason,
+)
 from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
 
 PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
@@ -199,14 +207,18 @@ def train(
             )
             if pool is not None:
                 pool.close()
+        first = "first_step_process_s" not in marks
+        cached = cache_entries() if first else frozenset()
         loss = step(batch)
         now = time.perf_counter()
         losses.append(float(loss.detach()))
         times.append(now - last)
         last = now
-        if "first_step_process_s" not in marks:
+        if first:
             marks["first_step_process_s"] = process_age_s()
             marks["first_step_from_build_s"] = now - marks["build_start"]
+            marks["first_step_compiled"] = compiled_since(cached)
+            log_line(compiled_line("first step", marks["first_step_compiled"]))
         print(
             f"step {len(times):4d}  {times[-1] * 1e3:8.1f} ms  rows {rows[-1]:5d}  tokens {tokens[-1]:7d}"
             f"  max_len {max_lens[-1]:5d}  loss {losses[-1]:.4f}",
@@ -476,6 +488,7 @@ def run(args: argparse.Namespace) -> dict:
             "first_step_from_process_start_s": marks.get("first_step_process_s"),
             "first_step_from_build_s": marks.get("first_step_from_build_s"),
             "precompile": marks.get("precompile"),
+            "first_step_compiled": marks.get("first_step_compiled"),
             "precompile_s": precompile_seconds(marks.get("precompile")),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             **summarize(trace, args.warmup, peak),

@@ -48,7 +48,7 @@ from gem.tracking import (
     open_training_run,
     reject_run,
 )
-from kernels.precompile import KernelCompilePool, skip_reason
+from kernels.precompile import KernelCompilePool, cache_entries, compiled_line, compiled_since, skip_reason
 from kernels.settings import effective_kernel_settings, kernel_environment
 from transfer.sharing import SharingError
 from transfer.teacher_outputs import MANIFEST_FILE, TeacherOutputsError
@@ -98,14 +98,16 @@ class PrecompileKernels(L.Callback):
 
     The compile workers start when fitting starts (their start-up overlaps the data loader's); at the first
     batch the module's step is recorded (:func:`gem.precompile.precompile_step`: forward through the module's
-    ``forward_batch``, under its autocast dtype) and compiled, then the workers end. Off CUDA, in Triton's
-    interpreter or where the module's resolved switch is off (:mod:`gem.step_options`), one logged line.
+    ``forward_batch``, under its autocast dtype) and compiled, then the workers end; after the step, one line names
+    the kernels it still compiled itself. Off CUDA, in Triton's interpreter or where the module's resolved switch is
+    off (:mod:`gem.step_options`), one logged line.
     """
 
     def __init__(self) -> None:
         self.pool: KernelCompilePool | None = None
         self.done = False
         self.report: dict | None = None
+        self.cached: frozenset[str] | None = None  # Triton's cache entries before the first step
 
     def _enabled(self, pl_module) -> bool:
         options = getattr(pl_module, "step_options", None)
@@ -133,6 +135,17 @@ class PrecompileKernels(L.Callback):
             )
         finally:
             self.close()
+        if self.report is not None and not self.report["skipped"]:
+            self.cached = cache_entries()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """After the first step: one line naming the kernels it still compiled itself (what the precompile missed)."""
+        if self.cached is not None:
+            compiled = compiled_since(self.cached)
+            self.cached = None
+            if self.report is not None:
+                self.report["first_step_compiled"] = compiled
+            _log.info(compiled_line("first step", compiled))
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.close()

@@ -237,6 +237,7 @@ class KernelCompilePool:
 
     def __init__(self, workers: int | None = None, *, device: int = 0, modules: Sequence[str] | None = None) -> None:
         self.workers = workers or default_workers()
+        settle_cache_keys()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         preload = ",".join(modules if modules is not None else kernel_modules())
         command = [sys.executable, "-m", __name__, "--device", str(device), "--preload", preload]
@@ -370,6 +371,38 @@ def skip_reason(specs: Sequence[LaunchSpec]) -> str:
     return ""
 
 
+def cache_entries() -> frozenset[str]:
+    """The entries of Triton's on-disk cache (``TRITON_CACHE_DIR``); empty in the interpreter, which compiles
+    nothing, and before the cache exists."""
+    if interpreted():
+        return frozenset()
+    from triton import knobs
+
+    directory = knobs.cache.dir
+    return frozenset(os.listdir(directory)) if directory and os.path.isdir(directory) else frozenset()
+
+
+def compiled_since(before: frozenset[str]) -> list[str]:
+    """The kernels compiled into Triton's cache since it held the entries ``before`` (:func:`cache_entries`), by
+    name, sorted: a kernel's entry holds its group file ``__grp__<name>.json`` (a launcher's or an autotuning
+    result's holds none)."""
+    from triton import knobs
+
+    names = []
+    for entry in sorted(cache_entries() - before):
+        with contextlib.suppress(OSError):
+            names += [f[len("__grp__"):-len(".json")] for f in os.listdir(os.path.join(knobs.cache.dir, entry))
+                      if f.startswith("__grp__") and f.endswith(".json")]
+    return sorted(names)
+
+
+def compiled_line(what: str, names: Sequence[str]) -> str:
+    """One log line: how many kernels ``what`` compiled itself (the precompile's misses) and which."""
+    counts = Counter(names)
+    listed = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in sorted(counts.items()))
+    return f"{what}: {len(names)} Triton kernels compiled in-process (cache misses){': ' + listed if names else ''}"
+
+
 def summary_line(report: PrecompileReport) -> str:
     line = f"kernel precompile: {report.compiled}/{report.specs} specs in {report.seconds:.1f} s on {report.workers} workers"
     if report.failed:
@@ -383,6 +416,45 @@ def kernel_modules() -> list[str]:
     import kernels.triton as package
 
     return [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+
+
+def settle_cache_keys(modules: Sequence[str] | None = None) -> int:
+    """Give the ``@triton.jit`` functions of ``modules`` (default :func:`kernel_modules`) the cache keys that every
+    process computes for them, whatever it compiled before; returns how many. Both sides of a precompile call
+    it (the caller when its pool starts, each worker after its imports), so a worker's artifact lands under the
+    key the caller's launch looks up.
+
+    Why: a kernel's key hashes the ``constexpr`` globals that it and the functions it calls read. Triton 3.6 merges
+    a called function's globals into its caller's before it hashes that function, so a caller hashed before its
+    callees misses their globals: its key depends on which kernels the process hashed first (the backward's,
+    whose helpers the forward hashed, differ between a worker and the training process). Triton 3.9 hashes the
+    callee first; so does this, for any version: it wraps the hash step to do that, then rehashes the modules'
+    functions. Nothing to do in the interpreter, which compiles nothing.
+    """
+    if interpreted():
+        return 0
+    from triton.runtime.jit import DependenciesFinder, JITFunction
+
+    update_hash = DependenciesFinder._update_hash
+    if not getattr(update_hash, "callee_first", False):
+
+        def callee_first(finder, func):
+            func.cache_key  # noqa: B018  (computes the callee's key and its globals before they are merged)
+            update_hash(finder, func)
+
+        callee_first.callee_first = True
+        DependenciesFinder._update_hash = callee_first
+    functions = {
+        id(value): value
+        for module in (modules if modules is not None else kernel_modules())
+        for value in vars(importlib.import_module(module)).values()
+        if isinstance(value, JITFunction)
+    }
+    for function in functions.values():
+        function.hash = None
+    for function in functions.values():
+        function.cache_key  # noqa: B018
+    return len(functions)
 
 
 def _cost(spec: LaunchSpec) -> int:
@@ -450,6 +522,7 @@ def _worker(device: int, preload: list[str]) -> None:
 def _set_up_worker(device: int, preload: list[str]) -> None:
     for module in preload:
         importlib.import_module(module)
+    settle_cache_keys(preload)
     from triton.runtime import driver
 
     if device:  # a context on device 0 would cost memory and time for nothing: a compile needs none

@@ -1,54 +1,105 @@
-"""Run by ``test_precompile.py`` in a process without Triton's interpreter: record a fused LayerNorm's forward and
-backward, compile them in a :class:`~kernels.precompile.KernelCompilePool` for an sm_90 target
-(:mod:`tests.kernels.compile_only_driver`), then run the same calls for real with each launch stopped after the
-JIT's cache lookup and compile. Prints one JSON line: the pool's report, the cache entries it made, and the entries
-the real launches added (none when they found the pool's).
+"""Run by ``test_precompile.py`` in a process without Triton's interpreter: record a step's launches, compile them
+in a :class:`~kernels.precompile.KernelCompilePool` for an sm_90 target (:mod:`tests.kernels.compile_only_driver`),
+then run the same step for real with each launch stopped after the JIT's cache lookup and compile. Prints one JSON
+line: the pool's report, the cache entries it made, and the entries the real launches added (none when they found
+the pool's) with the kernels that added them.
+
+``python -m tests.kernels.precompile_cache_check layer_norm``: a fused LayerNorm's forward and backward.
+``--cold`` after either: the pool compiles nothing (the real launches compile every kernel).
+``... teacher``: a tiny teacher's bucketed training step (every kernel on Triton), recorded as
+:func:`gem.precompile.precompile_step` records it and run as ``bench_teacher --bucketed`` runs it
+(:class:`gem.loop.StaticStep` on a padded batch), under bf16 autocast, then in float32.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 from triton.runtime import jit
 
 import tests.kernels.compile_only_driver  # noqa: F401  (the active driver: compile for sm_90, launch nothing)
 from kernels import layer_norm
-from kernels.precompile import KernelCompilePool, kernel_modules, record_launches
+from kernels.precompile import (
+    KernelCompilePool,
+    cache_entries,
+    compiled_since,
+    kernel_modules,
+    record_launches,
+)
 
 
-def step() -> None:
+def layer_norm_step() -> None:
     x = torch.randn(6, 24, requires_grad=True)
     layer_norm(x, torch.ones(24), torch.zeros(24), 1e-5, backend="triton").sum().backward()
+
+
+def layer_norm_steps():
+    """``(record, run)``: the launches of the LayerNorm step, and the step."""
+    with record_launches() as record:
+        layer_norm_step()
+    return record.specs, layer_norm_step
+
+
+def teacher_steps():
+    """``(record, run)``: the launches :func:`~gem.precompile.record_step` records for a tiny teacher's padded
+    batch at bf16 and float32, and a function that runs both real :class:`~gem.loop.StaticStep` steps."""
+    from foundation.model.padding import StaticShapes, pad_batch
+    from foundation.model.teacher import build_teacher
+    from gem.loop import GraphConfig, StaticStep
+    from gem.precompile import record_step
+    from kernels.settings import KernelSettings, apply_kernel_settings
+    from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+
+    apply_kernel_settings(KernelSettings(backend="triton", glue_backend="triton"))
+    torch.manual_seed(0)
+    model = build_teacher(tiny_config(generative=True, in_batch_negatives=True), CTR_SCHEMA).train()
+    batch = pad_batch(make_batch(CTR_SCHEMA, [0, 1, 5, 9, 3, 2]), StaticShapes(tokens=48, rows=(8, 16), max_len=12))
+    dtypes = (torch.bfloat16, None)
+    specs = list(dict.fromkeys(s for d in dtypes for s in record_step(model, batch, autocast_dtype=d).specs))
+
+    def run() -> None:
+        for dtype in dtypes:
+            optimizer = torch.optim.AdamW(model.parameters())
+            StaticStep(model, optimizer, autocast_dtype=dtype, config=GraphConfig())(batch)
+
+    return specs, run
 
 
 def entries(cache: str) -> set[str]:
     return set(os.listdir(cache)) if os.path.isdir(cache) else set()
 
 
-def main() -> None:
+def main(step: str, cold: bool) -> None:
     cache = os.environ["TRITON_CACHE_DIR"]
-    with record_launches() as record:
-        step()
+    specs, run_step = {"layer_norm": layer_norm_steps, "teacher": teacher_steps}[step]()
     with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
-        report = pool.compile(record.specs)
+        report = pool.compile([] if cold else specs)
     made = entries(cache)
+    before = cache_entries()
     run = jit.JITFunction.run
+    missed: list[str] = []
 
     def compile_only(kernel, *args, grid, warmup, **kwargs):
-        return run(kernel, *args, grid=grid, warmup=True, **kwargs)
+        before = entries(cache)
+        compiled = run(kernel, *args, grid=grid, warmup=True, **kwargs)
+        if entries(cache) - before:
+            missed.append(kernel.fn.__name__)
+        return compiled
 
     jit.JITFunction.run = compile_only
     try:
-        step()
+        run_step()
     finally:
         jit.JITFunction.run = run
     print(json.dumps({
         "specs": report.specs, "compiled": report.compiled, "failed": report.failed, "cache_entries": len(made),
-        "entries_added_by_the_real_launches": sorted(entries(cache) - made),
+        "entries_added_by_the_real_launches": sorted(entries(cache) - made), "kernels_compiled_by_the_real_launches": missed,
+        "compiled_since": compiled_since(before),
     }))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "layer_norm", "--cold" in sys.argv[2:])

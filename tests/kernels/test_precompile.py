@@ -26,6 +26,7 @@ from kernels.precompile import (
     KernelCompilePool,
     LaunchSpec,
     Pointer,
+    compiled_line,
     kernel_modules,
     launch_spec,
     precompile,
@@ -99,6 +100,22 @@ def test_recorded_launches_are_those_of_a_real_step_and_leave_no_trace(on_triton
         assert (grad is None) == (grads[name] is None), name
         if grad is not None:
             assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16", "float32"])
+def test_the_record_of_a_padded_batch_holds_every_launch_of_the_bucketed_step(on_triton, dtype):
+    """What ``bench_teacher --bucketed`` precompiles (:func:`record_step` on the first padded batch) is what its
+    first step launches (:class:`gem.loop.StaticStep`: lookups apart, the dense step on static buffers)."""
+    from foundation.model.padding import StaticShapes, pad_batch
+    from gem.loop import GraphConfig, StaticStep
+
+    model = tiny_teacher()
+    batch = pad_batch(make_batch(CTR_SCHEMA, [0, 1, 5, 9, 3, 2]), StaticShapes(tokens=48, rows=(8, 16), max_len=12))
+    record = record_step(model, batch, autocast_dtype=dtype)
+    step = StaticStep(model, torch.optim.AdamW(model.parameters()), autocast_dtype=dtype, config=GraphConfig())
+    with record_launches() as real:
+        step(batch)
+    assert record.specs == real.specs and record.launches == real.launches
 
 
 def test_records_are_deterministic(on_triton):
@@ -222,22 +239,59 @@ def _ptxas() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
-def test_the_pool_fills_the_cache_the_real_launches_read(tmp_path):
-    """For a CUDA target (sm_90, compiled without a GPU): the pool's artifacts land in ``TRITON_CACHE_DIR``, and
-    the JIT's lookups for the real launches (real tensors, compile without launch) find every one of them."""
+def _without_interpreter(tmp_path) -> dict[str, str]:
+    """The environment of a check that compiles for CUDA: no interpreter, its own cache, this repository first on
+    the path, after ``GEM_CHECK_TRITON`` when set (a directory holding another Triton, e.g. the GPU machine's
+    3.6 unpacked, to run the check against that version)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
+    path = os.pathsep.join(p for p in (os.environ.get("GEM_CHECK_TRITON"), str(REPO)) if p)
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=path, TRITON_DEFAULT_FP_FUSION="1")
+    return env
+
+
+def _run_check(module: str, *args: str, env: dict[str, str]) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.precompile_cache_check"], cwd=REPO, env=env, capture_output=True,
-        text=True, timeout=900,
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["failed"] == [] and result["compiled"] == result["specs"] == 2
-    assert result["cache_entries"] == 2
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
+@pytest.mark.parametrize(("step", "specs"), [("layer_norm", 2), ("teacher", None)])
+def test_the_pool_fills_the_cache_the_real_launches_read(tmp_path, step, specs):
+    """For a CUDA target (sm_90, compiled without a GPU): the pool's artifacts land in ``TRITON_CACHE_DIR``, and
+    the JIT's lookups for the real launches (real tensors, compile without launch) find every one of them: for a
+    LayerNorm, and for a tiny teacher's bucketed step (:class:`gem.loop.StaticStep`, bf16 and float32), whose
+    attention kernels share helpers (under Triton 3.6 their keys depended on which kernel a process hashed first:
+    the real step compiled 8 of 46 again)."""
+    result = _run_check("tests.kernels.precompile_cache_check", step, env=_without_interpreter(tmp_path))
+    assert result["failed"] == [] and result["compiled"] == result["specs"] == result["cache_entries"]
+    assert specs is None or result["specs"] == specs
+    assert result["kernels_compiled_by_the_real_launches"] == []
     assert result["entries_added_by_the_real_launches"] == []
+
+
+@pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
+def test_the_kernels_a_step_compiles_itself_are_named(tmp_path):
+    """What ``bench_teacher`` logs after its first step: the kernels it compiled in-process (new cache entries), by
+    name; none once they are in the cache."""
+    result = _run_check("tests.kernels.precompile_cache_check", "layer_norm", "--cold", env=_without_interpreter(tmp_path))
+    assert result["compiled_since"] == sorted(result["kernels_compiled_by_the_real_launches"])
+    assert result["compiled_since"] == ["_ln_bwd_kernel", "_ln_fwd_kernel"]
+    line = compiled_line("first step", result["compiled_since"])
+    assert line == "first step: 2 Triton kernels compiled in-process (cache misses): _ln_bwd_kernel, _ln_fwd_kernel"
+    assert compiled_line("first step", []) == "first step: 0 Triton kernels compiled in-process (cache misses)"
+
+
+def test_cache_keys_do_not_depend_on_what_a_process_hashed_first(tmp_path):
+    """After :func:`settle_cache_keys`, every kernel's key is the same in a process that hashed the attention's
+    backward kernels first as in one that hashed its forward first (a worker and the training process)."""
+    env = _without_interpreter(tmp_path)
+    backward_first = _run_check("tests.kernels.cache_key_check", "_bwd_dq_kernel", "_bwd_dkdv_kernel", env=env)
+    forward_first = _run_check("tests.kernels.cache_key_check", "_fwd_kernel", env=env)
+    assert len(forward_first) > 10 and backward_first == forward_first
 
 
 def test_a_step_that_fails_to_record_costs_one_line(monkeypatch):
