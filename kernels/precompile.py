@@ -435,7 +435,9 @@ def settle_cache_keys(modules: Sequence[str] | None = None) -> int:
         return 0
     from triton.runtime.jit import DependenciesFinder, JITFunction
 
-    update_hash = DependenciesFinder._update_hash
+    update_hash = getattr(DependenciesFinder, "_update_hash", None)
+    if update_hash is None:  # another Triton's internals: keys stay as it computes them (misses compile at launch)
+        return 0
     if not getattr(update_hash, "callee_first", False):
 
         def callee_first(finder, func):
