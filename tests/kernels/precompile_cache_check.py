@@ -14,7 +14,6 @@ the pool's) with the kernels that added them.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -68,24 +67,18 @@ def teacher_steps():
     return specs, run
 
 
-def entries(cache: str) -> set[str]:
-    return set(os.listdir(cache)) if os.path.isdir(cache) else set()
-
-
 def main(step: str, cold: bool) -> None:
-    cache = os.environ["TRITON_CACHE_DIR"]
     specs, run_step = {"layer_norm": layer_norm_steps, "teacher": teacher_steps}[step]()
     with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
         report = pool.compile([] if cold else specs)
-    made = entries(cache)
-    before = cache_entries()
+    made = cache_entries()
     run = jit.JITFunction.run
     missed: list[str] = []
 
     def compile_only(kernel, *args, grid, warmup, **kwargs):
-        before = entries(cache)
+        before = cache_entries()
         compiled = run(kernel, *args, grid=grid, warmup=True, **kwargs)
-        if entries(cache) - before:
+        if cache_entries() - before:
             missed.append(kernel.fn.__name__)
         return compiled
 
@@ -96,8 +89,8 @@ def main(step: str, cold: bool) -> None:
         jit.JITFunction.run = run
     print(json.dumps({
         "specs": report.specs, "compiled": report.compiled, "failed": report.failed, "cache_entries": len(made),
-        "entries_added_by_the_real_launches": sorted(entries(cache) - made), "kernels_compiled_by_the_real_launches": missed,
-        "compiled_since": compiled_since(before),
+        "entries_added_by_the_real_launches": sorted(cache_entries() - made), "kernels_compiled_by_the_real_launches": missed,
+        "compiled_since": compiled_since(made),
     }))
 
 
