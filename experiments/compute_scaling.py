@@ -71,6 +71,7 @@ import functools
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -368,7 +369,10 @@ def build_plan(name: str, preset: str | None = None) -> Plan:
     w = plan.world
     world = synth_preset(preset, num_examples=w.num_examples, max_history=w.max_history,
                          users_per_block=w.users_per_block)
-    return dataclasses.replace(plan, world=world, label=f"{plan.label} [world: preset {preset}]")
+    label, named = re.subn(r"^synthetic \w+", f"synthetic {preset}", plan.label)
+    if not named:
+        raise ValueError(f"plan {name!r}: its label {plan.label!r} does not start with 'synthetic <preset>'")
+    return dataclasses.replace(plan, world=world, label=label)
 
 
 def plan_runs(plan: Plan) -> list[Run]:

@@ -174,4 +174,5 @@ def test_sequential_preset_reaches_the_measurement_and_the_scaling_plans():
         own.world, transition_rate=cfg.transition_rate, transition_target_frac=cfg.transition_target_frac,
         transition_weight=cfg.transition_weight, transition_locality=cfg.transition_locality,
     )
-    assert plan.sizes == own.sizes and plan.label != own.label
+    assert plan.sizes == own.sizes and plan.label.startswith("synthetic sequential, ")
+    assert own.label.startswith("synthetic default, ")
