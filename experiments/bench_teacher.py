@@ -10,7 +10,8 @@ Usage::
 
 A synthetic ``large`` world (histories up to ``--world-max-history`` = 4096 events, scaled down to
 ``--examples`` impressions) is generated into ``--data`` (reused when it already holds a dataset)
-or a temporary directory. The flavor is built on the device and trained for ``--steps`` AdamW
+or a temporary directory. The flavor is built and initialised on the device (``--no-init-on-device``: on the
+CPU, then moved) and trained for ``--steps`` AdamW
 steps under bf16 autocast on token-budgeted batches of the train split (pinned host memory,
 non-blocking copies), stopping early at ``--time-limit`` seconds of training. Set
 ``TRITON_CACHE_AUTOTUNING=1`` to reuse the kernels' autotuning across runs.
@@ -438,7 +439,10 @@ def run(args: argparse.Namespace) -> dict:
         # overlap it.
         pool = compile_pool(args, device)
         first_batches = open_batches(data_dir, data_config(args, data_dir, max_history, args.token_budget), args)
-        model = build_teacher(cfg, schema).to(device)
+        # Initialised where it trains: on the CPU, `large`'s initialisation alone took most of the build.
+        with torch.device(device) if args.init_on_device else contextlib.nullcontext():
+            model = build_teacher(cfg, schema)
+        model = model.to(device)
         # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
         if device.type == "cuda":
@@ -569,6 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cast-once", action=argparse.BooleanOptionalAction, default=True,
         help="bf16 copies of the parameters autocast casts at every use, made once per step (same values)",
+    )
+    parser.add_argument(
+        "--init-on-device", action=argparse.BooleanOptionalAction, default=True,
+        help="build and initialise the model on --device (else on the CPU, then move it)",
     )
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--data", default=None, help="world dir: reused if it holds a dataset, else generated")
