@@ -206,15 +206,21 @@ def jagged_silu_modulate(
     return impl(h, scale, shift, rows, dropout_mask=dropout_mask, dropout_p=dropout_p)
 
 
-def silu_split(h: torch.Tensor, widths: Sequence[int], *, backend: str = "auto") -> tuple[torch.Tensor, ...]:
-    """``silu(h)`` split along the last axis into parts of ``widths`` (the HSTU block's ``u, v, q, k``).
+def silu_split(
+    h: torch.Tensor, widths: Sequence[int], *, bias: torch.Tensor | None = None, backend: str = "auto"
+) -> tuple[torch.Tensor, ...]:
+    """``silu(h + bias)`` split along the last axis into parts of ``widths`` (the HSTU block's ``u, v, q, k``).
 
     The Triton backward reads each part's gradient where its consumer left it and writes ``dh`` once, where
-    autograd's first concatenates the parts' gradients into a new ``[L, N]`` tensor.
+    autograd's first concatenates the parts' gradients into a new ``[L, N]`` tensor. A projection's bias passed
+    here instead of to its GEMM gets its gradient from small per-tile sums the backward writes beside ``dh``
+    instead of a reduction over the whole ``[L, N]`` gradient.
 
     Args:
         h: ``[L, N]`` pre-activations (the projection's output).
         widths: positive part widths summing to ``N``.
+        bias: ``[N]`` added before the SiLU (float32 inside the Triton kernels; in h's dtype in the reference),
+            or None.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
@@ -228,8 +234,12 @@ def silu_split(h: torch.Tensor, widths: Sequence[int], *, backend: str = "auto")
         raise ValueError(f"widths must be positive ints, got {widths}")
     if sum(widths) != h.shape[1]:
         raise ValueError(f"widths {widths} sum to {sum(widths)}, not h's N={h.shape[1]}")
+    if bias is not None:
+        _check_float("bias", bias, h.device)
+        if bias.shape != (h.shape[1],):
+            raise ValueError(f"bias must be [N]=[{h.shape[1]}], got {tuple(bias.shape)}")
     if _resolve(backend, h) == "triton":
         from kernels.triton.silu_split import silu_split as impl
     else:
         from kernels.pytorch.silu_split import silu_split as impl
-    return impl(h, widths)
+    return impl(h, widths, bias)

@@ -1,6 +1,6 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
-``U, V, Q, K = silu(W·LN(x))`` (one :func:`kernels.silu_split`); ``A = silu(alpha·QKᵀ + rel_bias)/N · V``
+``U, V, Q, K = silu(W·LN(x) + b)`` (one :func:`kernels.silu_split`, the bias added inside); ``A = silu(alpha·QKᵀ + rel_bias)/N · V``
 (causal, through :func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm and its
 dropout one fused kernel (:func:`kernels.layer_norm`). The relative bias is a learned per-head table over
 position distance plus one over log time-difference buckets.
@@ -80,7 +80,9 @@ class HSTUBlock(nn.Module):
         when the caller computed it."""
         h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
         normed = apply_layer_norm(self.input_norm, x) if normed is None else normed
-        u, v, q, k = silu_split(self.uvqk(normed), [h * dv, h * dv, h * dqk, h * dqk])
+        # The bias joins in the SiLU's kernel, whose backward sums its gradient from small per-tile partials.
+        projected = nn.functional.linear(normed, self.uvqk.weight)
+        u, v, q, k = silu_split(projected, [h * dv, h * dv, h * dqk, h * dqk], bias=self.uvqk.bias)
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
     def forward(

@@ -81,6 +81,45 @@ def test_silu_split_part_without_gradient_gets_zeros(monkeypatch):
     torch.testing.assert_close(h.grad, expected)
 
 
+def test_silu_split_reference_adds_the_bias_as_a_gemm_epilogue_does():
+    h, bias = torch.randn(5, 10), torch.randn(10)
+    parts = silu_split(h, [6, 4], bias=bias, backend="pytorch")
+    torch.testing.assert_close(torch.cat(parts, -1), torch.nn.functional.silu(torch.addmm(bias, h, torch.eye(10))))
+
+
+@pytest.mark.parametrize(
+    "tokens,widths,dtype",
+    [
+        (37, [24, 24, 16, 16], torch.float32),  # several row tiles
+        (0, [8, 8, 4, 4], torch.float32),  # no tokens: a zero bias gradient
+        (23, [300, 40, 24, 24], torch.bfloat16),  # a part wider than a column tile
+    ],
+)
+def test_silu_split_bias_triton_matches_reference(tokens, widths, dtype, monkeypatch):
+    """The bias's gradient from the per-tile partial sums equals autograd's sum over every token; a part
+    without a gradient contributes zeros to it."""
+    monkeypatch.setattr(silu_split_module, "BLOCK_M", 8)
+    g = torch.Generator().manual_seed(tokens + len(widths))
+    h = _leaf(g, tokens, sum(widths), dtype=dtype)
+    bias = _leaf(g, sum(widths))
+    upstream = [torch.randn(tokens, w, generator=g).to(dtype) for w in widths]
+    results = {}
+    for backend in ("pytorch", "triton"):
+        h.grad = bias.grad = None
+        parts = silu_split(h, widths, bias=bias.to(dtype) if backend == "pytorch" else bias, backend=backend)
+        loss = sum((p.float() * u).sum() for p, u in zip(parts[1:], upstream[1:], strict=True))
+        loss.backward()
+        results[backend] = (parts, h.grad.clone(), bias.grad.clone())
+    (ref, ref_dh, ref_db), (out, dh, db) = results["pytorch"], results["triton"]
+    for a, b in zip(out, ref, strict=True):
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a, b, **_tol(dtype))
+    torch.testing.assert_close(dh, ref_dh, **_tol(dtype))
+    assert db.dtype == torch.float32
+    torch.testing.assert_close(db, ref_db, rtol=_tol(dtype)["rtol"], atol=_tol(dtype)["atol"] * max(tokens, 1))
+    assert (db[: widths[0]] == 0).all()
+
+
 def test_silu_split_rejects_bad_input():
     h = torch.randn(4, 6)
     with pytest.raises(ValueError, match="sum to 5"):
@@ -91,6 +130,8 @@ def test_silu_split_rejects_bad_input():
         silu_split(h[None], [6])
     with pytest.raises(ValueError, match="h must be a floating"):
         silu_split(h.long(), [6])
+    with pytest.raises(ValueError, match="bias must be"):
+        silu_split(h, [6], bias=torch.zeros(5))
 
 
 def _residual_case(tokens: int, n: int, dtype: torch.dtype, seed: int):
