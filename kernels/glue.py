@@ -163,19 +163,28 @@ def jagged_silu_modulate(
     shift: torch.Tensor,
     rows: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    scale_offset: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``dropout(silu(h) * scale[rows] + shift[rows])``: every token modulated by its row's vectors (InterFormer's PFFN).
+    """``dropout(silu(h + bias) * (scale_offset + scale[rows]) + shift[rows])``: every token modulated by its row's
+    vectors (InterFormer's PFFN).
 
     The Triton backend is one pass forward and one backward, whose per-row sums of ``scale`` and ``shift``
     gradients run over each row's contiguous tokens (no atomics, no sort) where autograd's would
-    scatter-add every token into its row.
+    scatter-add every token into its row. A projection's bias passed here instead of to its GEMM gets its
+    gradient from per-row sums beside those (one ``[B, N]`` reduction instead of one over ``[L, N]``), and
+    ``scale_offset`` costs no pass of its own.
 
     Args:
         h: ``[L, N]`` pre-activations.
         scale, shift: ``[B, N]``.
+        bias: ``[N]`` added to ``h`` before the SiLU (float32 inside the Triton kernels; in h's dtype in the
+            reference), or None.
+        scale_offset: a constant added to ``scale`` (float32 inside the Triton kernels; in scale's dtype in the
+            reference).
         rows: ``[L]`` int64, the row of every token, **sorted** (tokens of a row are contiguous, rows in
             order: what :func:`foundation.model.jagged.token_rows` and a context-parallel shard give);
             values in ``[0, B)``. Not checked on the device (that would sync).
@@ -199,11 +208,17 @@ def jagged_silu_modulate(
     if rows.device != h.device:
         raise ValueError(f"rows is on {rows.device} but h is on {h.device}")
     _check_dropout(dropout_mask, dropout_p, h.shape, h.device)
+    if bias is not None:
+        _check_float("bias", bias, h.device)
+        if bias.shape != (h.shape[1],):
+            raise ValueError(f"bias must be [N]=[{h.shape[1]}], got {tuple(bias.shape)}")
     if _resolve(backend, h) == "triton":
         from kernels.triton.row_modulate import jagged_silu_modulate as impl
     else:
         from kernels.pytorch.row_modulate import jagged_silu_modulate as impl
-    return impl(h, scale, shift, rows, dropout_mask=dropout_mask, dropout_p=dropout_p)
+    return impl(
+        h, scale, shift, rows, bias=bias, scale_offset=scale_offset, dropout_mask=dropout_mask, dropout_p=dropout_p
+    )
 
 
 def silu_split(

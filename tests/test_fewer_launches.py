@@ -9,9 +9,10 @@ import torch
 
 from foundation.model.hstu import HSTUBlock
 from foundation.model.interaction import WukongBlock
-from foundation.model.norms import apply_layer_norm
+from foundation.model.interformer import PersonalizedFFN
+from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm
 from foundation.model.precision import CastOnce
-from kernels import silu_split
+from kernels import jagged_silu_modulate, silu_split
 
 
 @pytest.fixture(autouse=True)
@@ -123,4 +124,27 @@ def test_hstu_block_equals_its_previous_formulation(autocast, cast_once, uvqk_bi
     x = torch.randn(8, 16)
     new = outputs_and_grads(Call(block, forward), x, autocast, cast_once)
     old = outputs_and_grads(Call(block, forward_before), x, autocast, False)
+    assert_same(new, old, autocast)
+
+
+def pffn_before(pffn: PersonalizedFFN, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+    """``x[L, d]`` -> ``[L, d]``: the up projection with its bias in the GEMM, ``1 + gain`` computed apart."""
+    gain, shift = pffn.condition(pffn.narrow(summary).flatten(1)).chunk(2, dim=-1)
+    x, normed = apply_residual_layer_norm(pffn.norm, x, None)
+    up = pffn.up(normed)
+    return x + pffn.down(jagged_silu_modulate(up, 1 + gain, shift, rows))
+
+
+@pytest.mark.parametrize(("autocast", "cast_once"), [(False, False), (True, False), (True, True)])
+def test_personalized_ffn_equals_its_previous_formulation(autocast, cast_once):
+    torch.manual_seed(0)
+    pffn = PersonalizedFFN(16, 3, 4, 24, dropout=0.0)
+    with torch.no_grad():
+        pffn.condition.weight.normal_(std=0.3)  # a gain far from 0, so that 1 + g matters
+        pffn.up.bias.normal_()
+    rows = torch.tensor([0, 0, 0, 2, 2, 2, 2, 2])
+    summary = torch.randn(3, 3, 16)
+    x = torch.randn(8, 16)
+    new = outputs_and_grads(Call(pffn, lambda m, t: PersonalizedFFN.forward(m, t, rows, summary)), x, autocast, cast_once)
+    old = outputs_and_grads(Call(pffn, lambda m, t: pffn_before(m, t, rows, summary)), x, autocast, False)
     assert_same(new, old, autocast)

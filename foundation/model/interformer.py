@@ -52,8 +52,13 @@ class PersonalizedFFN(nn.Module):
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
         # The stream passes through the norm's op, whose backward adds its gradient to the norm's in one pass.
         x, normed = apply_residual_layer_norm(self.norm, x, None)
-        up = self.up(normed)
-        hidden = jagged_silu_modulate(up, 1 + gain, shift, rows, **fused_dropout(self.dropout, up.shape, up.device))
+        # The up projection's bias and the 1 of 1 + g join in the modulation's kernel, whose backward sums the
+        # bias's gradient per row.
+        up = nn.functional.linear(normed, self.up.weight)
+        hidden = jagged_silu_modulate(
+            up, gain, shift, rows, bias=self.up.bias, scale_offset=1.0,
+            **fused_dropout(self.dropout, up.shape, up.device),
+        )
         branch = self.down(hidden)
         return (x, branch) if defer_residual else x + branch
 
