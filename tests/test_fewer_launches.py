@@ -148,3 +148,19 @@ def test_personalized_ffn_equals_its_previous_formulation(autocast, cast_once):
     new = outputs_and_grads(Call(pffn, lambda m, t: PersonalizedFFN.forward(m, t, rows, summary)), x, autocast, cast_once)
     old = outputs_and_grads(Call(pffn, lambda m, t: pffn_before(m, t, rows, summary)), x, autocast, False)
     assert_same(new, old, autocast)
+
+
+def test_static_step_hands_the_fused_optimizer_gradients_in_the_parameters_layout():
+    """The Wukong projection's gradient arrives transposed (it reaches the parameter through ``.T``); torch's fused
+    AdamW would step it as if laid out like the parameter, so gem.loop gives it the parameter's layout."""
+    from gem.loop import in_layout_of
+
+    torch.manual_seed(0)
+    grad = torch.randn(4, 10).T
+    steps = []
+    for g in (in_layout_of(torch.empty(10, 4), grad), grad.contiguous()):
+        p = torch.nn.Parameter(torch.ones(10, 4))
+        p.grad = g
+        torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+        steps.append(p.detach())
+    torch.testing.assert_close(steps[0], steps[1], rtol=0, atol=0)
