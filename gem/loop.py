@@ -243,7 +243,7 @@ class StaticStep:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         for p, g in zip(self.params, grads, strict=False):
             if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+                p.grad = in_layout_of(p, g) if p.grad is None else p.grad + g
         if self.grad_clip > 0:
             if self.clip is None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -350,3 +350,10 @@ def _rebuild_lookups(lookups, leaves: list[torch.Tensor]):
     return dataclasses.replace(
         lookups, **{f.name: next(values) for f in dataclasses.fields(lookups) if getattr(lookups, f.name) is not None}
     )
+
+
+def in_layout_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``param``'s strides, as autograd's own accumulation into ``.grad`` gives it: a gradient that
+    reaches a parameter through a transpose arrives transposed, and torch's fused AdamW reads a gradient as if it
+    were laid out like its parameter (a transposed one steps the wrong entries)."""
+    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)

@@ -128,11 +128,14 @@ def residual_layer_norm(
     eps: float,
     *,
     out_dtype: torch.dtype | None = None,
+    branch_bias: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + branch, LN(x + branch).to(out_dtype))``: a block's output added to the residual stream, and the stream's
-    norm for the next block, in one pass each way (the Triton backward also adds the stream's own gradient, so a
-    stream normalised with no branch, ``branch=None``, saves that add).
+    """``(s, LN(s).to(out_dtype))`` with ``s = x + branch (+ branch_bias)``: a block's output added to the residual
+    stream, and the stream's norm for the next block, in one pass each way (the Triton backward also adds the
+    stream's own gradient, so a stream normalised with no branch, ``branch=None``, saves that add). A branch
+    projection's bias passed here instead of to its GEMM gets its gradient from the per-program partial sums the
+    Triton backward reduces for the norm's weight and bias anyway (no reduction of its own over ``[..., N]``).
 
     Args:
         x: ``[..., N]`` the residual stream (float32 under autocast).
@@ -140,11 +143,13 @@ def residual_layer_norm(
         weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
         eps: the LayerNorm epsilon.
         out_dtype: the norm's dtype; None: the sum's.
+        branch_bias: ``[N]`` the branch's bias (float32 inside the Triton kernels; added in the branch's dtype in
+            the reference, as a GEMM's bias epilogue rounds it), or None. Needs a branch.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
         ``(sum, norm)``: the sum in x's dtype promoted with the branch's, the norm in ``out_dtype``; differentiable in
-        x, branch, weight and bias.
+        x, branch, branch_bias, weight and bias.
     """
     _check_norm(x, weight, bias, out_dtype)
     if x.dim() == 0:
@@ -153,8 +158,14 @@ def residual_layer_norm(
         _check_float("branch", branch, x.device)
         if branch.shape != x.shape:
             raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
+    if branch_bias is not None:
+        if branch is None:
+            raise ValueError("branch_bias needs a branch")
+        _check_float("branch_bias", branch_bias, x.device)
+        if branch_bias.shape != x.shape[-1:]:
+            raise ValueError(f"branch_bias must be [N]=[{x.shape[-1]}], got {tuple(branch_bias.shape)}")
     impl = _norm_impl("residual_layer_norm", backend, x)
-    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype)
+    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype, branch_bias=branch_bias)
 
 
 def jagged_silu_modulate(
@@ -163,19 +174,28 @@ def jagged_silu_modulate(
     shift: torch.Tensor,
     rows: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    scale_offset: float = 0.0,
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``dropout(silu(h) * scale[rows] + shift[rows])``: every token modulated by its row's vectors (InterFormer's PFFN).
+    """``dropout(silu(h + bias) * (scale_offset + scale[rows]) + shift[rows])``: every token modulated by its row's
+    vectors (InterFormer's PFFN).
 
     The Triton backend is one pass forward and one backward, whose per-row sums of ``scale`` and ``shift``
     gradients run over each row's contiguous tokens (no atomics, no sort) where autograd's would
-    scatter-add every token into its row.
+    scatter-add every token into its row. A projection's bias passed here instead of to its GEMM gets its
+    gradient from per-row sums beside those (one ``[B, N]`` reduction instead of one over ``[L, N]``), and
+    ``scale_offset`` costs no pass of its own.
 
     Args:
         h: ``[L, N]`` pre-activations.
         scale, shift: ``[B, N]``.
+        bias: ``[N]`` added to ``h`` before the SiLU (float32 inside the Triton kernels; in h's dtype in the
+            reference), or None.
+        scale_offset: a constant added to ``scale`` (float32 inside the Triton kernels; in scale's dtype in the
+            reference).
         rows: ``[L]`` int64, the row of every token, **sorted** (tokens of a row are contiguous, rows in
             order: what :func:`foundation.model.jagged.token_rows` and a context-parallel shard give);
             values in ``[0, B)``. Not checked on the device (that would sync).
@@ -199,22 +219,34 @@ def jagged_silu_modulate(
     if rows.device != h.device:
         raise ValueError(f"rows is on {rows.device} but h is on {h.device}")
     _check_dropout(dropout_mask, dropout_p, h.shape, h.device)
+    if bias is not None:
+        _check_float("bias", bias, h.device)
+        if bias.shape != (h.shape[1],):
+            raise ValueError(f"bias must be [N]=[{h.shape[1]}], got {tuple(bias.shape)}")
     if _resolve(backend, h) == "triton":
         from kernels.triton.row_modulate import jagged_silu_modulate as impl
     else:
         from kernels.pytorch.row_modulate import jagged_silu_modulate as impl
-    return impl(h, scale, shift, rows, dropout_mask=dropout_mask, dropout_p=dropout_p)
+    return impl(
+        h, scale, shift, rows, bias=bias, scale_offset=scale_offset, dropout_mask=dropout_mask, dropout_p=dropout_p
+    )
 
 
-def silu_split(h: torch.Tensor, widths: Sequence[int], *, backend: str = "auto") -> tuple[torch.Tensor, ...]:
-    """``silu(h)`` split along the last axis into parts of ``widths`` (the HSTU block's ``u, v, q, k``).
+def silu_split(
+    h: torch.Tensor, widths: Sequence[int], *, bias: torch.Tensor | None = None, backend: str = "auto"
+) -> tuple[torch.Tensor, ...]:
+    """``silu(h + bias)`` split along the last axis into parts of ``widths`` (the HSTU block's ``u, v, q, k``).
 
     The Triton backward reads each part's gradient where its consumer left it and writes ``dh`` once, where
-    autograd's first concatenates the parts' gradients into a new ``[L, N]`` tensor.
+    autograd's first concatenates the parts' gradients into a new ``[L, N]`` tensor. A projection's bias passed
+    here instead of to its GEMM gets its gradient from small per-tile sums the backward writes beside ``dh``
+    instead of a reduction over the whole ``[L, N]`` gradient.
 
     Args:
         h: ``[L, N]`` pre-activations (the projection's output).
         widths: positive part widths summing to ``N``.
+        bias: ``[N]`` added before the SiLU (float32 inside the Triton kernels; in h's dtype in the reference),
+            or None.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
@@ -228,8 +260,12 @@ def silu_split(h: torch.Tensor, widths: Sequence[int], *, backend: str = "auto")
         raise ValueError(f"widths must be positive ints, got {widths}")
     if sum(widths) != h.shape[1]:
         raise ValueError(f"widths {widths} sum to {sum(widths)}, not h's N={h.shape[1]}")
+    if bias is not None:
+        _check_float("bias", bias, h.device)
+        if bias.shape != (h.shape[1],):
+            raise ValueError(f"bias must be [N]=[{h.shape[1]}], got {tuple(bias.shape)}")
     if _resolve(backend, h) == "triton":
         from kernels.triton.silu_split import silu_split as impl
     else:
         from kernels.pytorch.silu_split import silu_split as impl
-    return impl(h, widths)
+    return impl(h, widths, bias)

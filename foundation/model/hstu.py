@@ -1,6 +1,6 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
-``U, V, Q, K = silu(W·LN(x))`` (one :func:`kernels.silu_split`); ``A = silu(alpha·QKᵀ + rel_bias)/N · V``
+``U, V, Q, K = silu(W·LN(x) + b)`` (one :func:`kernels.silu_split`, the bias added inside); ``A = silu(alpha·QKᵀ + rel_bias)/N · V``
 (causal, through :func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm and its
 dropout one fused kernel (:func:`kernels.layer_norm`). The relative bias is a learned per-head table over
 position distance plus one over log time-difference buckets.
@@ -80,7 +80,9 @@ class HSTUBlock(nn.Module):
         when the caller computed it."""
         h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
         normed = apply_layer_norm(self.input_norm, x) if normed is None else normed
-        u, v, q, k = silu_split(self.uvqk(normed), [h * dv, h * dv, h * dqk, h * dqk])
+        # The bias joins in the SiLU's kernel, whose backward sums its gradient from small per-tile partials.
+        projected = nn.functional.linear(normed, self.uvqk.weight)
+        u, v, q, k = silu_split(projected, [h * dv, h * dv, h * dqk, h * dqk], bias=self.uvqk.bias)
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
     def forward(
@@ -93,6 +95,7 @@ class HSTUBlock(nn.Module):
         query_timestamps: torch.Tensor | None = None,
         *,
         branch: torch.Tensor | None = None,
+        branch_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         x: ``[L, d]`` tokens.
@@ -105,10 +108,11 @@ class HSTUBlock(nn.Module):
             (None: ``timestamps``).
         branch: ``[L, d]`` or None: the previous block's output, not yet added to ``x`` (its
             ``defer_residual``); added here in the input norm's pass, the block's input being ``x + branch``.
+        branch_bias: ``[d]`` or None: the bias the branch's projection left out, added in the same pass.
         """
         normed = None
         if branch is not None:
-            x, normed = apply_residual_layer_norm(self.input_norm, x, branch)
+            x, normed = apply_residual_layer_norm(self.input_norm, x, branch, branch_bias)
         u, v, q, k = self.split_uvqk(x, normed)
         with profile_region(ATTENTION):
             attn = jagged_attention(

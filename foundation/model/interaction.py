@@ -11,7 +11,7 @@ from itertools import pairwise
 import torch
 from torch import nn
 
-from foundation.model.norms import FusedLayerNorm
+from foundation.model.norms import FusedLayerNorm, autocast_dtype
 from foundation.model.teacher_config import TeacherConfig
 
 
@@ -23,7 +23,22 @@ class TokenMix(nn.Module):
         self.weight = nn.Parameter(torch.randn(n_out, n_in) / max(n_in, 1) ** 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("oi,bid->bod", self.weight, x)
+        return mix_tokens(self.weight, x)
+
+
+def mix_tokens(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``weight[n_out, n_in]``, ``x[B, n_in, d]`` -> ``[B, n_out, d]``: ``out[b] = weight @ x[b]``."""
+    return torch.einsum("oi,bid->bod", weight, x)
+
+
+def gemm_weights(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+    """``weights`` in the dtype a GEMM on ``x`` computes in (autocast's, else their own).
+
+    Each parameter is cast before any view or concatenation, so that autograd's only use of it is that one
+    cast, the form :class:`~foundation.model.precision.CastOnce` replaces by a copy cast once per step.
+    """
+    dtype = autocast_dtype(x)
+    return [w if dtype is None else w.to(dtype) for w in weights]
 
 
 class WukongBlock(nn.Module):
@@ -50,10 +65,17 @@ class WukongBlock(nn.Module):
         self.norm = FusedLayerNorm(d, feeds_gemm=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[B, n_in, d]`` -> ``[B, n_out, d]``."""
-        interactions = x @ torch.einsum("bnd,nr->bdr", x, self.projection)  # [B, n_in, rank]
+        """``x[B, n_in, d]`` -> ``[B, n_out, d]``.
+
+        The FM projection ``Xᵀ P`` and both token mixes contract the token axis of the same ``X``: one GEMM
+        computes all three (``[Pᵀ; compress; residual] X``), so the step casts and permutes ``X`` once for them.
+        """
+        projection, compress, residual = gemm_weights(x, self.projection, self.compress.weight, self.residual.weight)
+        mixed = mix_tokens(torch.cat([projection.T, compress, residual]), x)  # [B, rank + n_lc + n_out, d]
+        projected, compressed, mixed_residual = mixed.split([projection.shape[1], compress.shape[0], residual.shape[0]], 1)
+        interactions = x @ projected.transpose(1, 2)  # [B, n_in, rank]
         fm = self.fm_mlp(interactions.flatten(1)).view(x.shape[0], self.n_fm, self.d)
-        return self.norm(torch.cat([fm, self.compress(x)], dim=1) + self.residual(x))
+        return self.norm(torch.cat([fm, compressed], dim=1) + mixed_residual)
 
 
 class DCNv2Block(nn.Module):

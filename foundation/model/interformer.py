@@ -43,19 +43,26 @@ class PersonalizedFFN(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor, *, defer_residual: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``.
 
-        ``defer_residual``: return ``(x, branch)`` instead of ``x + branch``, for the next block to add in its input
-        norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream instead of two.
+        ``defer_residual``: return ``(x, branch[L, d], bias[d])`` instead of ``x + branch + bias``, for the next block
+        to add in its input norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream
+        instead of two, and the down projection's bias gradient from the norm's own partial sums.
         """
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
         # The stream passes through the norm's op, whose backward adds its gradient to the norm's in one pass.
         x, normed = apply_residual_layer_norm(self.norm, x, None)
-        up = self.up(normed)
-        hidden = jagged_silu_modulate(up, 1 + gain, shift, rows, **fused_dropout(self.dropout, up.shape, up.device))
-        branch = self.down(hidden)
-        return (x, branch) if defer_residual else x + branch
+        # The up projection's bias and the 1 of 1 + g join in the modulation's kernel, whose backward sums the
+        # bias's gradient per row.
+        up = nn.functional.linear(normed, self.up.weight)
+        hidden = jagged_silu_modulate(
+            up, gain, shift, rows, bias=self.up.bias, scale_offset=1.0,
+            **fused_dropout(self.dropout, up.shape, up.device),
+        )
+        if defer_residual:
+            return x, nn.functional.linear(hidden, self.down.weight), self.down.bias
+        return x + self.down(hidden)
 
 
 @dataclass

@@ -7,9 +7,13 @@ from collections.abc import Sequence
 import torch
 
 
-def silu_split(h: torch.Tensor, widths: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """``silu(h)`` split along the last axis into ``widths``: ``h[L, N]`` -> ``[L, w_i]`` views, ``sum(w_i) = N``.
+def silu_split(
+    h: torch.Tensor, widths: Sequence[int], bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """``silu(h + bias)`` split along the last axis into ``widths``: ``h[L, N]``, ``bias[N]`` or None -> ``[L, w_i]``
+    views in h's dtype, ``sum(w_i) = N``. The bias is added in h's dtype, as a GEMM's bias epilogue rounds it.
 
     Autograd's backward concatenates the parts' gradients into one ``[L, N]`` tensor, then runs SiLU's backward.
     """
-    return torch.split(torch.nn.functional.silu(h), list(widths), -1)
+    pre = h if bias is None else h + bias.to(h.dtype)
+    return torch.split(torch.nn.functional.silu(pre), list(widths), -1)

@@ -29,6 +29,7 @@ Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -812,11 +813,24 @@ def _bias_grad_replicas(programs: int, *tables: torch.Tensor | None) -> int:
     return max(1, min(_MAX_BIAS_GRAD_REPLICAS, programs, _MAX_BIAS_GRAD_BYTES // (4 * numel)))
 
 
-def _zeros_replicated(reps: int, table: torch.Tensor | None) -> torch.Tensor | None:
-    """``[reps, *table.shape]`` float32 zeros, or None without a table."""
-    if table is None:
-        return None
-    return torch.zeros((reps, *table.shape), device=table.device, dtype=torch.float32)
+def _zeros_replicated(
+    reps: int, pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, Callable[[float], tuple]]:
+    """``[reps, *table.shape]`` float32 zeros per table (None without it), and the function that sums the replicas
+    into the tables' ``scale``-times gradients ``(dpb, dtb)`` (None without a table). Both tables' replicas are
+    views of one ``[reps, P + T]`` buffer: one fill zeroes them, one reduction and one multiply finish them."""
+    tables = [t for t in (pos_bias, time_bias) if t is not None]
+    if not tables:
+        return None, None, lambda scale: (None, None)
+    sizes = [t.numel() for t in tables]
+    buffer = torch.zeros(reps, sum(sizes), device=tables[0].device, dtype=torch.float32)
+
+    def unpack(flat: torch.Tensor, *lead: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        parts = iter(flat.split(sizes, -1))
+        return tuple(next(parts).view(*lead, *t.shape) if t is not None else None for t in (pos_bias, time_bias))
+
+    dpb, dtb = unpack(buffer, reps)
+    return dpb, dtb, lambda scale: unpack(buffer.sum(0) * scale)
 
 
 def _table_grad_variant(pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None) -> dict:
@@ -829,8 +843,8 @@ def _table_grad_variant(pos_bias: torch.Tensor | None, time_bias: torch.Tensor |
 
 def _table_grad_buffers(q, pos_bias, time_bias, call, dq_kwargs):
     """The dQ pass's table-gradient accumulators ``(DPB, DTB)``, their layout arguments, and the function that
-    sums them into ``(dpb, dtb)`` (None without a table) once the pass ran: replicated copies for the atomics,
-    or per-program rows (:mod:`kernels.triton.bias_rows`)."""
+    sums them into ``scale`` times ``(dpb, dtb)`` (float32, None without a table) once the pass ran: replicated
+    copies for the atomics, or per-program rows (:mod:`kernels.triton.bias_rows`)."""
     heads = q.shape[1]
     if dq_kwargs["DETERMINISTIC"]:
         config = _launch_config(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, dq_kwargs, q, q.is_cuda)
@@ -839,18 +853,16 @@ def _table_grad_buffers(q, pos_bias, time_bias, call, dq_kwargs):
         dpb, dtb = rows.position, rows.time
         layout = dict(REPS=1, OFF=rows.offset, LD=dpb.shape[-1] if dpb is not None else 0)
 
-        def table_grads():
+        def table_grads(scale: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             return (
-                sum_position_rows(rows, heads, pos_bias.shape[0], pos_bias.shape[1]) if dpb is not None else None,
-                sum_time_rows(rows, heads, time_bias.shape[0]) if dtb is not None else None,
+                sum_position_rows(rows, heads, pos_bias.shape[0], pos_bias.shape[1]) * scale
+                if dpb is not None else None,
+                sum_time_rows(rows, heads, time_bias.shape[0]) * scale if dtb is not None else None,
             )
     else:
         reps = _bias_grad_replicas(call.batch * heads, pos_bias, time_bias)
-        dpb, dtb = _zeros_replicated(reps, pos_bias), _zeros_replicated(reps, time_bias)
+        dpb, dtb, table_grads = _zeros_replicated(reps, pos_bias, time_bias)
         layout = dict(REPS=reps, OFF=0, LD=0)
-
-        def table_grads():
-            return (dpb.sum(0) if dpb is not None else None, dtb.sum(0) if dtb is not None else None)
 
     layout.update(stride_dpb_rep=dpb.stride(0) if dpb is not None else 0,
                   stride_dtb_rep=dtb.stride(0) if dtb is not None else 0)
@@ -919,9 +931,9 @@ class _JaggedAttentionFn(torch.autograd.Function):
                     {**scalars, **meta}, q.is_cuda)
         # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
         table_scale = 1.0 if call.act == "softmax" else scalars["inv_n"]
-        dpb, dtb = table_grads()
-        dpb = (dpb * table_scale).to(pos_bias.dtype) if dpb is not None else None
-        dtb = (dtb * table_scale).to(time_bias.dtype) if dtb is not None else None
+        dpb, dtb = table_grads(table_scale)
+        dpb = dpb.to(pos_bias.dtype) if dpb is not None else None
+        dtb = dtb.to(time_bias.dtype) if dtb is not None else None
         return dq, dk, dv, dpb, dtb, None, None, None
 
 

@@ -5,7 +5,9 @@ Eager PyTorch broadcasts both to ``[L, N]`` tensors, runs SiLU, a multiply and a
 passes, and its backward scatter-adds every token's gradient into its row (``index_put_`` sorts the
 indices first; ``index_add_`` serialises on atomics, every token of a row hitting the same ``N``
 addresses). Here one pass reads ``h`` (and the dropout's keep mask, an input) and writes ``y``; the backward reads ``dy`` and ``h`` once, writes
-``dh``, and sums ``dy * silu(h)`` and ``dy`` over each row's tokens in registers.
+``dh``, and sums ``dy * silu(h)`` and ``dy`` over each row's tokens in registers. A ``bias`` (the projection's, left
+out of its GEMM) is added to ``h`` here, and its gradient summed per row beside the others: one ``[B, N]`` reduction
+instead of the GEMM backward's over ``[L, N]``; a constant ``scale_offset`` (the PFFN's ``1 + g``) costs no pass.
 
 One program per (row, column block) walks its row's contiguous tokens in ``BLOCK_L`` tiles, so the
 per-row sums need no atomics (deterministic) and the row's ``scale``/``shift`` are loaded once. Row
@@ -29,28 +31,37 @@ BLOCK_N = 32
 
 
 @triton.jit
-def _row_block(offsets_ptr, scale_ptr, stride_s, N, BLOCK_N: tl.constexpr):
-    """This program's row, its column block (and mask), the row's token range and its ``scale`` columns."""
+def _row_block(offsets_ptr, scale_ptr, b_ptr, stride_s, N, scale_offset, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's row, its column block (and mask), the row's token range, its ``scale_offset + scale`` columns
+    and the bias's (zeros without one)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     start = tl.load(offsets_ptr + row)
     end = tl.load(offsets_ptr + row + 1)
-    a = tl.load(scale_ptr + row * stride_s + cols, mask=col_ok, other=0.0).to(tl.float32)
-    return row, cols, col_ok, start, end, a
+    a = scale_offset + tl.load(scale_ptr + row * stride_s + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    return row, cols, col_ok, start, end, a, bias
 
 
 @triton.jit
 def _modulate_fwd_kernel(
-    h_ptr, scale_ptr, shift_ptr, offsets_ptr, m_ptr, y_ptr, N, stride_h, stride_s, stride_t, stride_m, stride_y,
-    keep_scale, HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+    h_ptr, scale_ptr, shift_ptr, b_ptr, offsets_ptr, m_ptr, y_ptr, N, stride_h, stride_s, stride_t, stride_m, stride_y,
+    keep_scale, scale_offset, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    row, cols, col_ok, start, end, a = _row_block(offsets_ptr, scale_ptr, stride_s, N, BLOCK_N)
+    row, cols, col_ok, start, end, a, bias = _row_block(
+        offsets_ptr, scale_ptr, b_ptr, stride_s, N, scale_offset, HAS_BIAS, BLOCK_N
+    )
     c = tl.load(shift_ptr + row * stride_t + cols, mask=col_ok, other=0.0).to(tl.float32)
     for first in range(start, end, BLOCK_L):
         tokens = (first + tl.arange(0, BLOCK_L)).to(tl.int64)
         mask = (tokens < end)[:, None] & col_ok[None, :]
         h = tl.load(h_ptr + tokens[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h += bias[None, :]
         y = h * tl.sigmoid(h) * a[None, :] + c[None, :]
         if HAS_DROPOUT:
             keep = tl.load(m_ptr + tokens[:, None] * stride_m + cols[None, :], mask=mask, other=0) != 0
@@ -60,13 +71,16 @@ def _modulate_fwd_kernel(
 
 @triton.jit
 def _modulate_bwd_kernel(
-    dy_ptr, h_ptr, scale_ptr, offsets_ptr, m_ptr, dh_ptr, dscale_ptr, dshift_ptr,
-    N, stride_dy, stride_h, stride_s, stride_m, stride_dh, keep_scale,
-    HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr, h_ptr, scale_ptr, b_ptr, offsets_ptr, m_ptr, dh_ptr, dscale_ptr, dshift_ptr, db_ptr,
+    N, stride_dy, stride_h, stride_s, stride_m, stride_dh, keep_scale, scale_offset,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row, cols, col_ok, start, end, a = _row_block(offsets_ptr, scale_ptr, stride_s, N, BLOCK_N)
+    row, cols, col_ok, start, end, a, bias = _row_block(
+        offsets_ptr, scale_ptr, b_ptr, stride_s, N, scale_offset, HAS_BIAS, BLOCK_N
+    )
     acc_scale = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     acc_shift = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
+    acc_bias = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     for first in range(start, end, BLOCK_L):
         tokens = (first + tl.arange(0, BLOCK_L)).to(tl.int64)
         mask = (tokens < end)[:, None] & col_ok[None, :]
@@ -75,14 +89,19 @@ def _modulate_bwd_kernel(
             keep = tl.load(m_ptr + tokens[:, None] * stride_m + cols[None, :], mask=mask, other=0) != 0
             dy = tl.where(keep, dy * keep_scale, 0.0)
         h = tl.load(h_ptr + tokens[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h += bias[None, :]
         sig = tl.sigmoid(h)
         silu = h * sig
         acc_scale += dy * silu
         acc_shift += dy
         dh = dy * a[None, :] * (sig + silu * (1.0 - sig))
+        if HAS_BIAS:
+            acc_bias += dh  # masked tokens have dy = 0, so dh = 0
         tl.store(dh_ptr + tokens[:, None] * stride_dh + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dscale_ptr + row * N + cols, tl.sum(acc_scale, axis=0).to(dscale_ptr.dtype.element_ty), mask=col_ok)
     tl.store(dshift_ptr + row * N + cols, tl.sum(acc_shift, axis=0).to(dshift_ptr.dtype.element_ty), mask=col_ok)
+    if HAS_BIAS:
+        tl.store(db_ptr + row * N + cols, tl.sum(acc_bias, axis=0), mask=col_ok)
 
 
 def _unit_columns(x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +134,7 @@ def _keep_bytes(mask: torch.Tensor | None, h: torch.Tensor) -> tuple[torch.Tenso
 
 class _SiluModulateFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, scale, shift, rows, dropout_mask, dropout_p):
+    def forward(ctx, h, scale, shift, rows, bias, scale_offset, dropout_mask, dropout_p):
         h, scale, shift = _unit_columns(h), _unit_columns(scale), _unit_columns(shift)
         keep, stride_m = _keep_bytes(dropout_mask, h)
         keep_scale = 1.0 / (1.0 - dropout_p)
@@ -126,16 +145,17 @@ class _SiluModulateFn(torch.autograd.Function):
         if batch and n and h.shape[0]:
             grid, blocks = _launch_shape(batch, n)
             _modulate_fwd_kernel[grid](
-                h, scale, shift, offsets, keep, y, n, h.stride(0), scale.stride(0), shift.stride(0), stride_m,
-                y.stride(0), keep_scale, HAS_DROPOUT=dropout_mask is not None, **blocks,
+                h, scale, shift, _or(bias, h), offsets, keep, y, n, h.stride(0), scale.stride(0), shift.stride(0),
+                stride_m, y.stride(0), keep_scale, scale_offset, HAS_BIAS=bias is not None,
+                HAS_DROPOUT=dropout_mask is not None, **blocks,
             )
-        ctx.save_for_backward(h, scale, offsets, keep if dropout_mask is not None else None)
-        ctx.shift_dtype, ctx.stride_m, ctx.keep_scale = shift.dtype, stride_m, keep_scale
+        ctx.save_for_backward(h, scale, offsets, keep if dropout_mask is not None else None, bias)
+        ctx.shift_dtype, ctx.stride_m, ctx.keep_scale, ctx.scale_offset = shift.dtype, stride_m, keep_scale, scale_offset
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        h, scale, offsets, keep = ctx.saved_tensors
+        h, scale, offsets, keep, bias = ctx.saved_tensors
         dy = _unit_columns(dy)
         batch, n = scale.shape
         dh = torch.empty_like(h, memory_format=torch.contiguous_format)
@@ -144,16 +164,24 @@ class _SiluModulateFn(torch.autograd.Function):
         alloc = torch.empty if launched else torch.zeros
         dscale = alloc(batch, n, device=h.device, dtype=scale.dtype)
         dshift = alloc(batch, n, device=h.device, dtype=ctx.shift_dtype)
+        # Per row, float32: the bias gradient is then one small reduction instead of one over every token.
+        partial_db = alloc(batch, n, device=h.device, dtype=torch.float32) if bias is not None else None
         if launched:
             grid, blocks = _launch_shape(batch, n)
             _modulate_bwd_kernel[grid](
-                dy, h, scale, offsets, keep if keep is not None else h, dh, dscale, dshift, n, dy.stride(0),
-                h.stride(0), scale.stride(0), ctx.stride_m, dh.stride(0), ctx.keep_scale, HAS_DROPOUT=keep is not None,
-                **blocks,
+                dy, h, scale, _or(bias, h), offsets, _or(keep, h), dh, dscale, dshift, _or(partial_db, dh), n,
+                dy.stride(0), h.stride(0), scale.stride(0), ctx.stride_m, dh.stride(0), ctx.keep_scale,
+                ctx.scale_offset, HAS_BIAS=bias is not None, HAS_DROPOUT=keep is not None, **blocks,
             )
-        return dh, dscale, dshift, None, None, None
+        db = partial_db.sum(0).to(bias.dtype) if bias is not None else None
+        return dh, dscale, dshift, None, db, None, None, None
 
 
-def jagged_silu_modulate(h, scale, shift, rows, *, dropout_mask=None, dropout_p=0.0):
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """``t``, or a tensor the kernel never reads (its flag is off) in its place."""
+    return t if t is not None else placeholder
+
+
+def jagged_silu_modulate(h, scale, shift, rows, *, bias=None, scale_offset=0.0, dropout_mask=None, dropout_p=0.0):
     """Same contract as :func:`kernels.pytorch.row_modulate.jagged_silu_modulate`."""
-    return _SiluModulateFn.apply(h, scale, shift, rows, dropout_mask, float(dropout_p))
+    return _SiluModulateFn.apply(h, scale, shift, rows, bias, float(scale_offset), dropout_mask, float(dropout_p))

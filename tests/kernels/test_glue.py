@@ -152,6 +152,46 @@ def test_silu_modulate_triton_matches_reference(lengths, n, dtype, block_l, monk
     torch.testing.assert_close(grads[2].double(), exact, **tol)
 
 
+def test_silu_modulate_reference_adds_bias_and_scale_offset():
+    h, scale, shift, bias = torch.randn(6, 4), torch.randn(3, 4), torch.randn(3, 4), torch.randn(4)
+    rows = _rows([2, 0, 4])
+    expected = torch.nn.functional.silu(h + bias) * (1.0 + scale[rows]) + shift[rows]
+    out = jagged_silu_modulate(h, scale, shift, rows, bias=bias, scale_offset=1.0, backend="pytorch")
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize(
+    "lengths,n,dtype",
+    [
+        ([3, 0, 1, 70, 5], 24, torch.float32),  # empty and single rows, several token tiles
+        ([0, 0, 0], 8, torch.float32),  # no tokens: a zero bias gradient
+        ([5, 9, 2], 48, torch.bfloat16),  # the PFFN's dtype under autocast on the GPU
+    ],
+)
+def test_silu_modulate_bias_and_offset_triton_matches_reference(lengths, n, dtype, monkeypatch):
+    """The bias's gradient from the per-row partial sums equals autograd's sum over every token."""
+    monkeypatch.setattr(row_modulate, "BLOCK_L", 4)
+    g = torch.Generator().manual_seed(sum(lengths) + n + 1)
+    rows = _rows(lengths)
+    h = _leaf(g, rows.numel(), n, dtype=dtype)
+    scale, shift = _leaf(g, len(lengths), n, dtype=dtype), _leaf(g, len(lengths), n, dtype=dtype)
+    bias = _leaf(g, n)
+    upstream = torch.randn(rows.numel(), n, generator=g)
+    results = {}
+    for backend in ("pytorch", "triton"):
+        out = jagged_silu_modulate(h, scale, shift, rows, bias=bias, scale_offset=1.0, backend=backend)
+        results[backend] = (out, _grads(out, upstream, [h, scale, shift, bias]))
+    (ref, ref_grads), (out, grads) = results["pytorch"], results["triton"]
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **tol)
+    for name, a, b in zip(("h", "scale", "shift"), grads[:3], ref_grads[:3], strict=True):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+    assert grads[3].dtype == torch.float32
+    torch.testing.assert_close(grads[3], ref_grads[3], rtol=tol["rtol"], atol=tol["atol"] * max(rows.numel(), 1))
+
+
 def test_silu_modulate_rejects_bad_input():
     h, scale = torch.randn(4, 3), torch.randn(2, 3)
     rows = torch.tensor([0, 0, 1, 1])

@@ -81,6 +81,45 @@ def test_silu_split_part_without_gradient_gets_zeros(monkeypatch):
     torch.testing.assert_close(h.grad, expected)
 
 
+def test_silu_split_reference_adds_the_bias_as_a_gemm_epilogue_does():
+    h, bias = torch.randn(5, 10), torch.randn(10)
+    parts = silu_split(h, [6, 4], bias=bias, backend="pytorch")
+    torch.testing.assert_close(torch.cat(parts, -1), torch.nn.functional.silu(torch.addmm(bias, h, torch.eye(10))))
+
+
+@pytest.mark.parametrize(
+    "tokens,widths,dtype",
+    [
+        (37, [24, 24, 16, 16], torch.float32),  # several row tiles
+        (0, [8, 8, 4, 4], torch.float32),  # no tokens: a zero bias gradient
+        (23, [300, 40, 24, 24], torch.bfloat16),  # a part wider than a column tile
+    ],
+)
+def test_silu_split_bias_triton_matches_reference(tokens, widths, dtype, monkeypatch):
+    """The bias's gradient from the per-tile partial sums equals autograd's sum over every token; a part
+    without a gradient contributes zeros to it."""
+    monkeypatch.setattr(silu_split_module, "BLOCK_M", 8)
+    g = torch.Generator().manual_seed(tokens + len(widths))
+    h = _leaf(g, tokens, sum(widths), dtype=dtype)
+    bias = _leaf(g, sum(widths))
+    upstream = [torch.randn(tokens, w, generator=g).to(dtype) for w in widths]
+    results = {}
+    for backend in ("pytorch", "triton"):
+        h.grad = bias.grad = None
+        parts = silu_split(h, widths, bias=bias.to(dtype) if backend == "pytorch" else bias, backend=backend)
+        loss = sum((p.float() * u).sum() for p, u in zip(parts[1:], upstream[1:], strict=True))
+        loss.backward()
+        results[backend] = (parts, h.grad.clone(), bias.grad.clone())
+    (ref, ref_dh, ref_db), (out, dh, db) = results["pytorch"], results["triton"]
+    for a, b in zip(out, ref, strict=True):
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a, b, **_tol(dtype))
+    torch.testing.assert_close(dh, ref_dh, **_tol(dtype))
+    assert db.dtype == torch.float32
+    torch.testing.assert_close(db, ref_db, rtol=_tol(dtype)["rtol"], atol=_tol(dtype)["atol"] * max(tokens, 1))
+    assert (db[: widths[0]] == 0).all()
+
+
 def test_silu_split_rejects_bad_input():
     h = torch.randn(4, 6)
     with pytest.raises(ValueError, match="sum to 5"):
@@ -91,6 +130,8 @@ def test_silu_split_rejects_bad_input():
         silu_split(h[None], [6])
     with pytest.raises(ValueError, match="h must be a floating"):
         silu_split(h.long(), [6])
+    with pytest.raises(ValueError, match="bias must be"):
+        silu_split(h, [6], bias=torch.zeros(5))
 
 
 def _residual_case(tokens: int, n: int, dtype: torch.dtype, seed: int):
@@ -164,6 +205,43 @@ def test_residual_layer_norm_only_the_sum_used():
     assert weight.grad is None and bias.grad is None
 
 
+@pytest.mark.parametrize(
+    "tokens,n,dtype",
+    [(13, 48, torch.float32), (0, 40, torch.float32), (300, 96, torch.bfloat16)],  # 300: several programs
+)
+@pytest.mark.parametrize("norm_used", [True, False])  # False: only the stream is read, the bias gets its gradient
+def test_residual_layer_norm_branch_bias_triton_matches_reference(tokens, n, dtype, norm_used):
+    """The branch's bias, added in the norm's pass: its gradient (the sum's, summed over rows, from the norm's
+    per-program partial sums) and every other output and gradient equal the reference's."""
+    x, branch, weight, bias, g = _residual_case(tokens, n, dtype, seed=tokens + n)
+    branch_bias = torch.randn(n, generator=g).requires_grad_(True)
+    upstream_sum, upstream_norm = torch.randn(tokens, n, generator=g), torch.randn(tokens, n, generator=g)
+    leaves = [x, branch, weight, bias, branch_bias]
+    results = {}
+    for backend in ("pytorch", "triton"):
+        for leaf in leaves:
+            leaf.grad = None
+        total, normed = residual_layer_norm(
+            x * 1, branch, weight, bias, 1e-5, branch_bias=branch_bias, backend=backend
+        )
+        loss = (total * upstream_sum.to(total.dtype)).sum()
+        if norm_used:
+            loss = loss + (normed * upstream_norm.to(normed.dtype)).sum()
+        loss.backward()
+        results[backend] = (total, normed, [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves])
+    (ref_sum, ref_norm, ref_grads), (total, normed, grads) = results["pytorch"], results["triton"]
+    # The reference rounds the bias into a half-precision branch first; the kernel adds all in float32.
+    tol = {k: max(v, 1e-4) for k, v in _tol(dtype).items()}
+    torch.testing.assert_close(total, ref_sum, **tol)
+    torch.testing.assert_close(normed, ref_norm, **tol)
+    for name, a, b in zip(("x", "branch", "weight", "bias", "branch_bias"), grads, ref_grads, strict=True):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * max(tokens, 1) ** 0.5, msg=name)
+
+
 def test_residual_layer_norm_rejects_bad_input():
     x = torch.randn(3, 8)
     with pytest.raises(ValueError, match="branch must have"):
@@ -174,6 +252,10 @@ def test_residual_layer_norm_rejects_bad_input():
         residual_layer_norm(x, x.long(), torch.ones(8), torch.zeros(8), 1e-5)
     with pytest.raises(ValueError, match="out_dtype"):
         residual_layer_norm(x, x, torch.ones(8), torch.zeros(8), 1e-5, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="branch_bias needs a branch"):
+        residual_layer_norm(x, None, torch.ones(8), torch.zeros(8), 1e-5, branch_bias=torch.zeros(8))
+    with pytest.raises(ValueError, match="branch_bias must be"):
+        residual_layer_norm(x, x, torch.ones(8), torch.zeros(8), 1e-5, branch_bias=torch.zeros(7))
 
 
 @pytest.mark.parametrize("backend", ["pytorch", "triton"])
@@ -198,8 +280,8 @@ def test_deferred_residual_gives_the_blocks_result(backend, monkeypatch):
         for p in (*pffn.parameters(), *block.parameters()):
             p.grad = None
         if defer:
-            seq, branch = pffn(x, rows, summary, defer_residual=True)
-            out = block(seq, offsets, 6, timestamps, branch=branch)
+            seq, branch, branch_bias = pffn(x, rows, summary, defer_residual=True)
+            out = block(seq, offsets, 6, timestamps, branch=branch, branch_bias=branch_bias)
         else:
             out = block(pffn(x, rows, summary), offsets, 6, timestamps)
         out.square().sum().backward()
