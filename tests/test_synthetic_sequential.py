@@ -12,6 +12,7 @@ import pytest
 from experiments.compute_scaling import build_plan
 from experiments.world_signal import ablations
 from foundation.data.io import list_shards
+from foundation.data.pipeline import DataConfig, EventStream
 from foundation.data.synthetic import (
     SPLITS,
     TRANSITION_SPAN,
@@ -89,6 +90,34 @@ def test_ground_truth_depends_on_the_order_of_the_history(worlds):
         shuffled[span] = np.random.default_rng(r).permutation(items[span])
     assert (shuffled != items)[old].any()
     np.testing.assert_array_equal(transition_affinity(world, offsets, shuffled, candidate), term)
+
+
+def test_batches_cut_to_max_len_keep_the_last_events_oldest_first(worlds, tmp_path):
+    """What a model reads: a batch's history cut to ``max_len`` is the tail of the stored one, in order, so the
+    transition term (which reads the last ``TRANSITION_SPAN`` events) is the same from the batch as from the row."""
+    cfg, _, _ = worlds
+    generate_world(cfg, tmp_path, progress=False)
+    data = DataConfig(path=str(tmp_path), max_len=TRANSITION_SPAN, batch_size=64)
+    stored = pq.read_table(list_shards(tmp_path, "train"))
+    by_id = {int(e): r for r, e in enumerate(stored.column("example_id").to_numpy())}
+    offsets, items = _history(stored)
+    world, cut_rows = make_world(cfg), 0
+    term = transition_affinity(world, offsets, items, stored.column("item_id").to_numpy())
+    for batch in EventStream(tmp_path, "train", data, training=True):
+        b_offsets, b_items = batch.offsets.numpy(), batch.history["item_ids"].numpy()
+        b_times = batch.history["timestamps"].numpy()
+        rows = np.array([by_id[int(e)] for e in batch.example_id])
+        for i, r in enumerate(rows):
+            n = b_offsets[i + 1] - b_offsets[i]
+            assert n == min(offsets[r + 1] - offsets[r], TRANSITION_SPAN)
+            np.testing.assert_array_equal(b_items[b_offsets[i] : b_offsets[i + 1]], items[offsets[r + 1] - n : offsets[r + 1]])
+            assert (np.diff(b_times[b_offsets[i] : b_offsets[i + 1]]) >= 0).all()  # oldest first
+            cut_rows += int(offsets[r + 1] - offsets[r] > n)
+        np.testing.assert_array_equal(
+            transition_affinity(world, b_offsets, b_items, batch.candidate.numpy()),
+            term[rows],
+        )
+    assert cut_rows > 100
 
 
 def test_histories_chain_items_and_candidates_follow_the_last_events(worlds, tmp_path):
