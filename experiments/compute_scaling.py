@@ -323,6 +323,9 @@ def trained_plan() -> Plan:
             *lr_probes(teacher[0], (0.5, 2.0)),
             *lr_probes(teacher[-1], (0.5, 2.0)),
             override_probe(teacher[-2], "dropout0.1", ("model.teacher.dropout=0.1",)),
+            # The last 8 events as summary tokens that the final interaction compares with the candidate: on the
+            # sequential world the trained candidate token otherwise reads the history as a bag.
+            *(override_probe(t, "recent8", ("model.teacher.num_recent=8",)) for t in (teacher[0], teacher[-2])),
             *lr_probes(dlrm[2], (0.5, 2.0)),
             *lr_probes(dlrm[-1], (0.5, 2.0)),
         ),
@@ -352,7 +355,7 @@ def dry_plan() -> Plan:
         label="synthetic debug, 3k impressions (dry run)",
         cost=SECOND_SWEEP_COST,
         schedule=Schedule(warmup_frac=0.5, final_frac=0.1),
-        probes=lr_probes(teacher[-1], (2.0,)),
+        probes=(*lr_probes(teacher[-1], (2.0,)), override_probe(teacher[0], "recent8", ("model.teacher.num_recent=8",))),
         parallel=2,
         shard_weights=(1.0, 2.0),
     )

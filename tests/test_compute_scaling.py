@@ -75,9 +75,11 @@ def test_dry_run_trains_every_size_and_counts_its_flops(dry):
         assert {"seeds", "click_ne_mean", "click_ne_std", "click_auc_mean", "per_domain", "command", "date",
                 "data"} <= set(large)
     assert summary["world"]["oracle_test"]["click"]["ne"] < 1
-    (probe,) = [g for g in summary["rows"] if g["probe"]]
-    (base,) = [g for g in summary["rows"] if g["size"] == probe["size"].split("@")[0]]
-    assert probe["lr"] == pytest.approx(2 * base["lr"]) and probe["seeds"] == [0]
+    probes = {g["size"].split("@")[1]: g for g in summary["rows"] if g["probe"]}
+    assert set(probes) == {"lr2x", "recent8"} and all(g["seeds"] == [0] for g in probes.values())
+    base = {g["size"]: g for g in summary["rows"] if not g["probe"]}
+    assert probes["lr2x"]["lr"] == pytest.approx(2 * base[probes["lr2x"]["size"].split("@")[0]]["lr"])
+    assert probes["recent8"]["probe"] == "model.teacher.num_recent=8"
     with tarfile.open(tmp / "bundle" / "runs-0of1.tar.gz") as tar:
         names = tar.getnames()
     assert {f"runs-0of1/{r['name']}/result.json" for r in summary["runs"]} <= set(names)
