@@ -128,14 +128,11 @@ def residual_layer_norm(
     eps: float,
     *,
     out_dtype: torch.dtype | None = None,
-    branch_bias: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, LN(s).to(out_dtype))`` with ``s = x + branch (+ branch_bias)``: a block's output added to the residual
-    stream, and the stream's norm for the next block, in one pass each way (the Triton backward also adds the
-    stream's own gradient, so a stream normalised with no branch, ``branch=None``, saves that add). A branch
-    projection's bias passed here instead of to its GEMM gets its gradient from the per-program partial sums the
-    Triton backward reduces for the norm's weight and bias anyway (no reduction of its own over ``[..., N]``).
+    """``(x + branch, LN(x + branch).to(out_dtype))``: a block's output added to the residual stream, and the stream's
+    norm for the next block, in one pass each way (the Triton backward also adds the stream's own gradient, so a
+    stream normalised with no branch, ``branch=None``, saves that add).
 
     Args:
         x: ``[..., N]`` the residual stream (float32 under autocast).
@@ -143,13 +140,11 @@ def residual_layer_norm(
         weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
         eps: the LayerNorm epsilon.
         out_dtype: the norm's dtype; None: the sum's.
-        branch_bias: ``[N]`` the branch's bias (float32 inside the Triton kernels; added in the branch's dtype in
-            the reference, as a GEMM's bias epilogue rounds it), or None. Needs a branch.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
         ``(sum, norm)``: the sum in x's dtype promoted with the branch's, the norm in ``out_dtype``; differentiable in
-        x, branch, branch_bias, weight and bias.
+        x, branch, weight and bias.
     """
     _check_norm(x, weight, bias, out_dtype)
     if x.dim() == 0:
@@ -158,14 +153,8 @@ def residual_layer_norm(
         _check_float("branch", branch, x.device)
         if branch.shape != x.shape:
             raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
-    if branch_bias is not None:
-        if branch is None:
-            raise ValueError("branch_bias needs a branch")
-        _check_float("branch_bias", branch_bias, x.device)
-        if branch_bias.shape != x.shape[-1:]:
-            raise ValueError(f"branch_bias must be [N]=[{x.shape[-1]}], got {tuple(branch_bias.shape)}")
     impl = _norm_impl("residual_layer_norm", backend, x)
-    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype, branch_bias=branch_bias)
+    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype)
 
 
 def jagged_silu_modulate(

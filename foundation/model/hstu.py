@@ -95,7 +95,6 @@ class HSTUBlock(nn.Module):
         query_timestamps: torch.Tensor | None = None,
         *,
         branch: torch.Tensor | None = None,
-        branch_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         x: ``[L, d]`` tokens.
@@ -108,11 +107,10 @@ class HSTUBlock(nn.Module):
             (None: ``timestamps``).
         branch: ``[L, d]`` or None: the previous block's output, not yet added to ``x`` (its
             ``defer_residual``); added here in the input norm's pass, the block's input being ``x + branch``.
-        branch_bias: ``[d]`` or None: the bias the branch's projection left out, added in the same pass.
         """
         normed = None
         if branch is not None:
-            x, normed = apply_residual_layer_norm(self.input_norm, x, branch, branch_bias)
+            x, normed = apply_residual_layer_norm(self.input_norm, x, branch)
         u, v, q, k = self.split_uvqk(x, normed)
         with profile_region(ATTENTION):
             attn = jagged_attention(

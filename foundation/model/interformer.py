@@ -43,12 +43,11 @@ class PersonalizedFFN(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor, *, defer_residual: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``.
 
-        ``defer_residual``: return ``(x, branch[L, d], bias[d])`` instead of ``x + branch + bias``, for the next block
-        to add in its input norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream
-        instead of two, and the down projection's bias gradient from the norm's own partial sums.
+        ``defer_residual``: return ``(x, branch)`` instead of ``x + branch``, for the next block to add in its input
+        norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream instead of two.
         """
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
         # The stream passes through the norm's op, whose backward adds its gradient to the norm's in one pass.
@@ -60,9 +59,8 @@ class PersonalizedFFN(nn.Module):
             up, gain, shift, rows, bias=self.up.bias, scale_offset=1.0,
             **fused_dropout(self.dropout, up.shape, up.device),
         )
-        if defer_residual:
-            return x, nn.functional.linear(hidden, self.down.weight), self.down.bias
-        return x + self.down(hidden)
+        branch = self.down(hidden)
+        return (x, branch) if defer_residual else x + branch
 
 
 @dataclass

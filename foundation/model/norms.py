@@ -81,18 +81,12 @@ def fused_dropout(dropout: nn.Dropout | None, shape: torch.Size, device: torch.d
 
 
 def apply_residual_layer_norm(
-    norm: nn.LayerNorm | PlainLayerNorm,
-    x: torch.Tensor,
-    branch: torch.Tensor | None,
-    branch_bias: torch.Tensor | None = None,
+    norm: nn.LayerNorm | PlainLayerNorm, x: torch.Tensor, branch: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, norm(s))`` with ``s = x + branch (+ branch_bias[N])`` (``[..., N]``): a block's output joins the residual
-    stream and the stream is normalised for the next block in one pass, the norm in the dtype the next GEMM computes
-    in. ``branch=None``: the stream passes through, and the backward adds its gradient to the norm's in the same
-    pass. ``branch_bias``: the bias the branch's projection left out, its gradient summed with the norm's."""
-    return residual_layer_norm(
-        x, branch, norm.weight, norm.bias, norm.eps, out_dtype=autocast_dtype(x), branch_bias=branch_bias
-    )
+    """``(x + branch, norm(x + branch))`` (``[..., N]``): a block's output joins the residual stream and the stream is
+    normalised for the next block in one pass, the norm in the dtype the next GEMM computes in. ``branch=None``: the
+    stream passes through, and the backward adds its gradient to the norm's in the same pass."""
+    return residual_layer_norm(x, branch, norm.weight, norm.bias, norm.eps, out_dtype=autocast_dtype(x))
 
 
 class FusedLayerNorm(nn.LayerNorm):

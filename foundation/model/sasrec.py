@@ -61,7 +61,6 @@ class SASRecBlock(nn.Module):
         query_timestamps: torch.Tensor | None = None,
         *,
         branch: torch.Tensor | None = None,
-        branch_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
         x: ``[L, d]`` tokens.
@@ -72,12 +71,9 @@ class SASRecBlock(nn.Module):
             themselves only (CLS and candidate tokens).
         branch: ``[L, d]`` or None: the previous block's output not yet added to ``x``; the block's input is
             ``x + branch`` (its keys and values read it unnormalised, so the add is not fused here).
-        branch_bias: ``[d]`` or None: the bias the branch's projection left out.
         """
         if branch is not None:
             x = x + branch
-        if branch_bias is not None:
-            x = x + branch_bias
         h, dqk, dv = self.num_heads, self.attn_dim, self.value_dim
         q_in = self.query_norm(x)
         k, v = torch.split(self.key_value(x), [h * dqk, h * dv], -1)

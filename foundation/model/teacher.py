@@ -282,12 +282,11 @@ class GEMTeacher(nn.Module):
             SummaryLayout.build(batch.offsets, self.cfg.num_pma_seeds, self.cfg.num_recent) if len(self.summaries) else None
         )
         for layer, block in enumerate(self.blocks):
-            branch = branch_bias = None
+            branch = None
             if self.cfg.interleave:  # the PFFN's output joins the stream in the block's input norm (one pass)
-                seq, branch, branch_bias = self.pffns[layer](seq, rows, user_tokens, defer_residual=True)
+                seq, branch = self.pffns[layer](seq, rows, user_tokens, defer_residual=True)
             seq = block(
-                seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps,
-                branch=branch, branch_bias=branch_bias,
+                seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps, branch=branch
             )
             if self.cfg.interleave and layer < len(self.summaries):
                 summary = self.summarize(layer, seq, layout, batch, summary_layout)

@@ -46,19 +46,14 @@ def residual_layer_norm(
     eps: float,
     *,
     out_dtype: torch.dtype | None = None,
-    branch_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, LN(s))`` with ``s = x + branch (+ branch_bias)`` (the residual stream after a block, and its norm for the
-    next one).
+    """``(s, LN(s))`` with ``s = x + branch`` (the residual stream after a block, and its norm for the next one).
 
     Args:
         x: ``[..., N]`` the residual stream.
         branch: ``[..., N]`` (x's shape) the block's output, or None (``s`` is x).
         weight, bias: ``[N]``.
         out_dtype: the norm's dtype; None means the sum's (x's dtype promoted with the branch's).
-        branch_bias: ``[N]`` or None, added to the branch in its dtype (as a GEMM's bias epilogue rounds it).
     """
-    if branch_bias is not None:
-        branch = branch + branch_bias.to(branch.dtype)
     total = x if branch is None else x + branch
     return total, layer_norm(total, weight, bias, eps, out_dtype=out_dtype)

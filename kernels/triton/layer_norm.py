@@ -11,9 +11,7 @@ per-program float32 partial sums over a block of rows, added once at the end (de
 for both).
 
 ``residual_layer_norm``: ``s = x + branch``, ``y = LN(s)``, both written by one pass that reads ``x`` and the
-branch (a block's output added to the float32 residual stream, normalised for the next block), and the branch's
-bias when its projection left it out: its gradient is then a third row of the per-program partial sums, reduced
-with the norm's own (one reduction for three gradients instead of one more over the whole ``[M, N]`` gradient). Eager writes
+branch (a block's output added to the float32 residual stream, normalised for the next block). Eager writes
 ``s``, then reads it again for the norm; backward, it adds the norm's input gradient to the stream's in a pass of
 its own and casts the sum for the branch in another. Here the norm's backward reads the stream's gradient and
 writes both inputs' gradients. Without a branch the stream passes through and only that gradient add is saved.
@@ -33,10 +31,9 @@ MAX_N = 16384
 
 @triton.jit
 def _ln_fwd_kernel(
-    x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, g_ptr, m_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
+    x_ptr, r_ptr, w_ptr, b_ptr, g_ptr, m_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
     N, stride_x, stride_r, stride_g, stride_m, stride_s, stride_y, scale, eps, keep_scale,
-    HAS_RESIDUAL: tl.constexpr, HAS_RESIDUAL_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -44,8 +41,6 @@ def _ln_fwd_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL_BIAS:
-            x += tl.load(rb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(s_ptr + row * stride_s + cols, x.to(s_ptr.dtype.element_ty), mask=mask)
     x = x * scale
     mean = tl.sum(x, axis=0) / N
@@ -68,10 +63,10 @@ def _ln_fwd_kernel(
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, m_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr, dw_ptr, db_ptr,
-    drb_ptr, M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx, stride_dr,
-    stride_dg, stride_partial, scale, keep_scale,
+    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx, stride_dr, stride_dg,
+    stride_partial, scale, keep_scale,
     HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_RESIDUAL_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -80,7 +75,6 @@ def _ln_bwd_kernel(
     b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    drb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # int64 bounds make the loop's row index int64 (an int in the interpreter): no row * stride overflow.
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
@@ -107,12 +101,8 @@ def _ln_bwd_kernel(
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_RESIDUAL:
             tl.store(dr_ptr + row * stride_dr + cols, dx.to(dr_ptr.dtype.element_ty), mask=mask)
-        if HAS_RESIDUAL_BIAS:
-            drb += dx
     tl.store(dw_ptr + pid * stride_partial + cols, dw, mask=mask)
     tl.store(db_ptr + pid * stride_partial + cols, db, mask=mask)
-    if HAS_RESIDUAL_BIAS:
-        tl.store(drb_ptr + pid * stride_partial + cols, drb, mask=mask)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -128,9 +118,9 @@ def _num_programs(m: int, device: torch.device) -> int:
     return max(1, min(m, 4))
 
 
-def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(None, 1.0), residual_bias=None):
-    """``(sum or x, gate, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual (+ residual_bias)``
-    when there is a residual. ``dropout``: ``(mask [M, N] uint8 or None, 1 / (1 - p))``."""
+def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(None, 1.0)):
+    """``(sum or x, gate, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual`` when there is one.
+    ``dropout``: ``(mask [M, N] uint8 or None, 1 / (1 - p))``."""
     n = x.shape[-1]
     x2 = _rows_2d(x, n)
     g2 = _rows_2d(gate, n) if gate is not None else None
@@ -144,20 +134,18 @@ def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(No
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_fwd_kernel[(m,)](
-            x2, _or(r2, x2), _or(residual_bias, weight), weight, bias, _or(g2, x2), _or(m2, x2), _or(s2, y), y, mean,
-            rstd, n, x2.stride(0), _stride(r2), _stride(g2), _stride(m2), _stride(s2), y.stride(0), scale, eps,
-            keep_scale, HAS_RESIDUAL=r2 is not None, HAS_RESIDUAL_BIAS=residual_bias is not None,
-            HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            x2, _or(r2, x2), weight, bias, _or(g2, x2), _or(m2, x2), _or(s2, y), y, mean, rstd,
+            n, x2.stride(0), _stride(r2), _stride(g2), _stride(m2), _stride(s2), y.stride(0), scale, eps, keep_scale,
+            HAS_RESIDUAL=r2 is not None, HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, BLOCK_N=block_n,
+            num_warps=_num_warps(block_n),
         )
     return (s2 if s2 is not None else x2), g2, y, mean, rstd
 
 
 def _backward(
-    dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, dropout=(None, 1.0), ds=None, residual_dtype=None,
-    residual_bias=False,
+    dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, dropout=(None, 1.0), ds=None, residual_dtype=None
 ):
-    """``(dx, dresidual, dweight, dbias, dgate, dresidual_bias)`` of ``[M, N]`` inputs (``dresidual``: with
-    ``residual_dtype``; ``dresidual_bias``, float32 ``[N]``, the column sums of ``dx``: with ``residual_bias``)."""
+    """``(dx, dresidual, dweight, dbias, dgate)`` of ``[M, N]`` inputs (``dresidual``: with ``residual_dtype``)."""
     m, n = x2.shape
     dy2 = _rows_2d(dy, n)
     ds2 = _rows_2d(ds, n) if ds is not None else None
@@ -166,22 +154,20 @@ def _backward(
     dr = torch.empty(m, n, device=x2.device, dtype=residual_dtype) if residual_dtype is not None else None
     dg = torch.empty(m, n, device=x2.device, dtype=gate_dtype) if g2 is not None else None
     programs = _num_programs(m, x2.device)
-    # Each program writes its partial sums of dw, db (and the residual bias's gradient) side by side: one
-    # reduction sums them all; only an empty input launches none.
-    parts = 3 if residual_bias else 2
-    partial = (torch.empty if m else torch.zeros)(programs, parts, n, device=x2.device, dtype=torch.float32)
+    # Each program writes its partial sums of dw and db side by side (one reduction sums both); only an
+    # empty input launches none.
+    partial = (torch.empty if m else torch.zeros)(programs, 2, n, device=x2.device, dtype=torch.float32)
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
             dy2, x2, weight, bias, _or(g2, x2), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx, _or(dr, dx), _or(dg, dx),
-            partial[:, 0], partial[:, 1], partial[:, parts - 1], m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2),
+            partial[:, 0], partial[:, 1], m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2),
             _stride(m2), _stride(ds2), dx.stride(0), _stride(dr), _stride(dg), partial.stride(0), scale, keep_scale,
             HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
-            HAS_RESIDUAL=dr is not None, HAS_RESIDUAL_BIAS=residual_bias, BLOCK_N=block_n,
-            num_warps=_num_warps(block_n),
+            HAS_RESIDUAL=dr is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )
     sums = partial.sum(0)
-    return dx, dr, sums[0].to(weight.dtype), sums[1].to(bias.dtype), dg, sums[2] if residual_bias else None
+    return dx, dr, sums[0].to(weight.dtype), sums[1].to(bias.dtype), dg
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -213,7 +199,7 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, g2, mean, rstd, m2 = ctx.saved_tensors
-        dx, _, grad_w, grad_b, dg, _ = _backward(
+        dx, _, grad_w, grad_b, dg = _backward(
             dy, x2, weight, bias, g2, mean, rstd, ctx.scale, gate_dtype=ctx.gate_dtype, dropout=(m2, ctx.keep_scale)
         )
         grad_g = dg.view(ctx.shape) if dg is not None else None
@@ -222,11 +208,10 @@ class _LayerNormFn(torch.autograd.Function):
 
 class _ResidualLayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, branch, branch_bias, weight, bias, eps, out_dtype):
-        s2, _, y, mean, rstd = _forward(x, weight, bias, None, branch, 1.0, eps, out_dtype, residual_bias=branch_bias)
+    def forward(ctx, x, branch, weight, bias, eps, out_dtype):
+        s2, _, y, mean, rstd = _forward(x, weight, bias, None, branch, 1.0, eps, out_dtype)
         ctx.save_for_backward(s2, weight, bias, mean, rstd)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, branch.dtype if branch is not None else None)
-        ctx.branch_bias_dtype = branch_bias.dtype if branch_bias is not None else None
         ctx.set_materialize_grads(False)
         # Without a branch the stream passes through (a view of x): its gradient still arrives here.
         stream = x.view_as(x) if branch is None else s2.view(x.shape)
@@ -236,17 +221,13 @@ class _ResidualLayerNormFn(torch.autograd.Function):
     def backward(ctx, ds, dy):
         s2, weight, bias, mean, rstd = ctx.saved_tensors
         x_dtype, branch_dtype = ctx.dtypes
-        bias_dtype = ctx.branch_bias_dtype
-        if dy is None:  # the norm's output unused: the sum's gradient is every input's
-            grad_rb = ds.reshape(-1, ds.shape[-1]).sum(0, dtype=torch.float32).to(bias_dtype) if bias_dtype else None
-            return ds.to(x_dtype), ds.to(branch_dtype) if branch_dtype else None, grad_rb, None, None, None, None
-        dx, dr, grad_w, grad_b, _, grad_rb = _backward(
-            dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype,
-            residual_bias=bias_dtype is not None,
+        if dy is None:  # the norm's output unused: the sum's gradient is both inputs'
+            return ds.to(x_dtype), ds.to(branch_dtype) if branch_dtype else None, None, None, None, None
+        dx, dr, grad_w, grad_b, _ = _backward(
+            dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype
         )
         dr = dr.view(ctx.shape) if dr is not None else None
-        grad_rb = grad_rb.to(bias_dtype) if grad_rb is not None else None
-        return dx.to(x_dtype).view(ctx.shape), dr, grad_rb, grad_w, grad_b, None, None
+        return dx.to(x_dtype).view(ctx.shape), dr, grad_w, grad_b, None, None
 
 
 def _num_warps(block_n: int) -> int:
@@ -259,7 +240,7 @@ def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None, dr
     return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype, dropout_mask, float(dropout_p))
 
 
-def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None, branch_bias=None):
+def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None):
     """Same contract as :func:`kernels.pytorch.layer_norm.residual_layer_norm` (``N <= MAX_N``)."""
     total = torch.promote_types(x.dtype, branch.dtype) if branch is not None else x.dtype
-    return _ResidualLayerNormFn.apply(x, branch, branch_bias, weight, bias, float(eps), out_dtype or total)
+    return _ResidualLayerNormFn.apply(x, branch, weight, bias, float(eps), out_dtype or total)
