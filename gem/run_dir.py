@@ -14,6 +14,7 @@ written: separate runs never overwrite each other.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -160,13 +161,19 @@ def remove_stale_temps(run_dir: Path) -> list[Path]:
 
 @contextmanager
 def train_lock(run_dir: Path) -> Iterator[None]:
-    """Hold ``run_dir/.lock`` while training; a second process on the same run is refused at once."""
+    """Hold ``run_dir/.lock`` while training; a second process on the same run is refused at once.
+
+    A POSIX record lock (``lockf``), not ``flock``: the data loader's forked workers would inherit an ``flock``
+    and hold the run locked after the trainer itself was killed, until each noticed and exited; a record lock
+    belongs to the process that took it and ends with it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
             raise RunConflict(f"{run_dir} is being trained by another process; wait for it or stop it") from exc
         yield
     finally:
