@@ -14,13 +14,7 @@ from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm
 from foundation.model.precision import CastOnce
 from kernels import jagged_silu_modulate, silu_split
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def wukong_before(block: WukongBlock, x: torch.Tensor) -> torch.Tensor:
