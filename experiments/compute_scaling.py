@@ -166,7 +166,8 @@ class Plan:
     ``schedule`` None runs :mod:`experiments.teacher_vs_baseline` at the flavor's constant learning rate (the
     first sweep); otherwise :mod:`experiments.scaling_run` under that schedule at each size's ``lr``.
     ``probes`` run on ``probe_seeds`` only. ``parallel``: runs at once by default; ``shard_weights``: the share
-    of the plan each of ``len(shard_weights)`` calls takes by default.
+    of the plan each of ``len(shard_weights)`` calls takes by default. The sizes named in ``duel`` (``<family>-<size>``)
+    also run on ``duel_seeds``: more seeds where two families' best sizes are compared.
     """
 
     name: str
@@ -183,6 +184,8 @@ class Plan:
     probe_seeds: tuple[int, ...] = (0,)
     parallel: int = 0
     shard_weights: tuple[float, ...] = ()
+    duel: tuple[str, ...] = ()
+    duel_seeds: tuple[int, ...] = ()
 
     @property
     def train_rows(self) -> int:
@@ -334,6 +337,35 @@ def trained_plan() -> Plan:
     )
 
 
+# The third sweep's changes, both from the second sweep's probes and diagnosis on the sequential world: every
+# rate doubled (the x2 probes beat the curve at both ends of both families' ladders), and the teacher's last 8
+# events as summary tokens (its candidate token read the history as a bag).
+RECENT_TEACHER = ("model.teacher.num_recent=8",)
+
+
+def recent_plan() -> Plan:
+    """The third sweep: the ``trained`` plan with the changes above, and 5 seeds of the largest sizes (the
+    teacher's and the DLRM's two best) for the 2-standard-error comparison."""
+    history, rows = 1024, 512
+    teacher = [
+        teacher_size(w, layers, heads, history, rows, lr=width_scaled_lr(4e-3, 32, w),
+                     extra=TRAINED_RECIPE + ONE_PASS_TEACHER + RECENT_TEACHER)
+        for w, layers, heads in ((32, 2, 2), (64, 2, 2), (128, 3, 4), (256, 4, 4))
+    ]
+    dlrm = [dlrm_size(w, history, rows, lr=width_scaled_lr(8e-3, 32, w), extra=TRAINED_RECIPE) for w in (32, 128, 512, 2048)]
+    trained = trained_plan()
+    return dataclasses.replace(
+        trained,
+        name="recent",
+        sizes=(*teacher, *dlrm),
+        label=f"{trained.label}; rates x2, teacher with 8 recent-event tokens",
+        probes=(*lr_probes(teacher[-1], (2.0,)), *lr_probes(dlrm[-1], (2.0,))),
+        duel=("teacher-w256-l4", "dlrm-d512", "dlrm-d2048"),
+        duel_seeds=(3, 4),
+        shard_weights=(2.0, 3.0),
+    )
+
+
 def dry_plan() -> Plan:
     """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
     steps."""
@@ -361,7 +393,8 @@ def dry_plan() -> Plan:
     )
 
 
-PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "dry": dry_plan}
+PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "recent": recent_plan,
+                                        "dry": dry_plan}
 
 
 def build_plan(name: str, preset: str | None = None) -> Plan:
@@ -379,10 +412,13 @@ def build_plan(name: str, preset: str | None = None) -> Plan:
 
 
 def plan_runs(plan: Plan) -> list[Run]:
-    """The sizes on every seed, then the probes on the probe seeds."""
-    return [Run(size, seed) for size in plan.sizes for seed in plan.seeds] + [
-        Run(size, seed) for size in plan.probes for seed in plan.probe_seeds
-    ]
+    """The sizes on every seed, the duel's sizes on the duel seeds, then the probes on the probe seeds."""
+    runs = [Run(size, seed) for size in plan.sizes for seed in plan.seeds]
+    unknown = set(plan.duel) - {r.size_key for r in runs}
+    if unknown:
+        raise ValueError(f"plan {plan.name}: duel names sizes it does not have: {sorted(unknown)}")
+    runs += [Run(size, seed) for size in plan.sizes for seed in plan.duel_seeds if Run(size, seed).size_key in plan.duel]
+    return runs + [Run(size, seed) for size in plan.probes for seed in plan.probe_seeds]
 
 
 # -- the world ------------------------------------------------------------------------------------

@@ -196,7 +196,25 @@ def test_width_scaled_rates():
     assert width_scaled_lr(4e-3, 32, 2048) == pytest.approx(5e-4)
 
 
-@pytest.mark.parametrize("plan_name", ["trained", "scaling", "dry"])
+def test_recent_plan_runs_its_duel_on_five_seeds_and_gives_the_teacher_recent_tokens():
+    plan = PLANS["recent"]()
+    runs = plan_runs(plan)
+    seeds: dict[str, set[int]] = {}
+    for run in runs:
+        if not run.size.probe:
+            seeds.setdefault(run.size_key, set()).add(run.seed)
+    assert {k for k, v in seeds.items() if len(v) == 5} == set(plan.duel)
+    assert all(v == {0, 1, 2} for k, v in seeds.items() if k not in plan.duel)
+    assert len({r.name for r in runs}) == len(runs)
+    trained = {s.name: s.lr for s in PLANS["trained"]().sizes}
+    for size in plan.sizes:
+        assert size.lr == pytest.approx(2 * trained[size.name])
+        assert ("model.teacher.num_recent=8" in size.overrides) == (size.family == "teacher")
+    with pytest.raises(ValueError, match="duel names sizes"):
+        plan_runs(dataclasses.replace(plan, duel=("teacher-w999-l1",)))
+
+
+@pytest.mark.parametrize("plan_name", ["trained", "recent", "scaling", "dry"])
 def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
     """What the GPU calls will start: each run's command line through its runner's own parser, and its
     overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
@@ -216,10 +234,11 @@ def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
             assert parsed.max_steps == plan.steps
         cfg = apply_overrides(get_flavor(parsed.flavor), parsed.overrides)
         assert cfg.data.batch_size == plan.batch_rows and cfg.data.max_len == plan.history
-        if plan_name == "trained":
+        if plan_name in ("trained", "recent"):
             assert cfg.train.precision == "bf16-mixed" and cfg.data.num_workers == 2
             if run.size.family == "teacher":
                 assert cfg.model.teacher.dropout == (0.1 if "dropout" in run.size.probe else 0.0)
+                assert cfg.model.teacher.num_recent == (8 if plan_name == "recent" or "recent" in run.size.name else 0)
 
 
 def test_weighted_shards_follow_the_weights():
