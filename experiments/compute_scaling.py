@@ -366,6 +366,25 @@ def recent_plan() -> Plan:
     )
 
 
+def recent_data_plan() -> Plan:
+    """The third sweep's best teacher per FLOP and two DLRM sizes on twice the rows (1,200 steps, 614,400 rows, still
+    one pass): does either family gain more from data than the other? Seeds 0 and 1."""
+    recent = recent_plan()
+    keep = ("teacher-w128-l3", "dlrm-d128", "dlrm-d2048")
+    return dataclasses.replace(
+        recent,
+        name="recent-data",
+        sizes=tuple(s for s in recent.sizes if f"{s.family}-{s.name}" in keep),
+        seeds=(0, 1),
+        steps=2 * recent.steps,
+        label=recent.label.replace("307k rows", "614k rows"),
+        probes=(),
+        duel=(),
+        duel_seeds=(),
+        shard_weights=(1.0,),
+    )
+
+
 def dry_plan() -> Plan:
     """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
     steps."""
@@ -394,7 +413,7 @@ def dry_plan() -> Plan:
 
 
 PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "recent": recent_plan,
-                                        "dry": dry_plan}
+                                        "recent-data": recent_data_plan, "dry": dry_plan}
 
 
 def build_plan(name: str, preset: str | None = None) -> Plan:

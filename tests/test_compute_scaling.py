@@ -14,6 +14,7 @@ import torch
 
 from experiments import scaling_run, teacher_vs_baseline
 from experiments.compute_scaling import (
+    FAMILIES,
     PLANS,
     Run,
     build_parser,
@@ -214,7 +215,14 @@ def test_recent_plan_runs_its_duel_on_five_seeds_and_gives_the_teacher_recent_to
         plan_runs(dataclasses.replace(plan, duel=("teacher-w999-l1",)))
 
 
-@pytest.mark.parametrize("plan_name", ["trained", "recent", "scaling", "dry"])
+def test_recent_data_plan_reads_twice_the_rows_once():
+    plan, recent = PLANS["recent-data"](), PLANS["recent"]()
+    assert plan.train_rows == 2 * recent.train_rows <= plan.world.num_examples * plan.world.split_fractions[0]
+    assert "614k rows" in plan.label and plan.world == recent.world
+    assert {s.family for s in plan.sizes} == set(FAMILIES) and set(plan.sizes) <= set(recent.sizes)
+
+
+@pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "scaling", "dry"])
 def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
     """What the GPU calls will start: each run's command line through its runner's own parser, and its
     overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
@@ -234,11 +242,11 @@ def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
             assert parsed.max_steps == plan.steps
         cfg = apply_overrides(get_flavor(parsed.flavor), parsed.overrides)
         assert cfg.data.batch_size == plan.batch_rows and cfg.data.max_len == plan.history
-        if plan_name in ("trained", "recent"):
+        if plan_name in ("trained", "recent", "recent-data"):
             assert cfg.train.precision == "bf16-mixed" and cfg.data.num_workers == 2
             if run.size.family == "teacher":
                 assert cfg.model.teacher.dropout == (0.1 if "dropout" in run.size.probe else 0.0)
-                assert cfg.model.teacher.num_recent == (8 if plan_name == "recent" or "recent" in run.size.name else 0)
+                assert cfg.model.teacher.num_recent == (8 if "recent" in plan_name or "recent" in run.size.name else 0)
 
 
 def test_weighted_shards_follow_the_weights():
