@@ -36,6 +36,12 @@ memorises), then scores the valid and the test split once.
   warm-up + cosine to a tenth of a per-size peak rate (:func:`width_scaled_lr`), bf16 autocast, loader
   processes, wider row shuffling, teacher dropout 0, a fourth DLRM size, and probes (seed 0 only: the rate at
   x0.5 and x2 at both ends of each family's ladder, dropout back on at ``w128-l3``). docs/benchmarks.md says why.
+- ``recent``, the third (session 14, ``--preset sequential``): ``trained`` with both families' rates doubled and the
+  teacher's last 8 events as summary tokens (``model.teacher.num_recent=8``), 5 seeds of ``w256-l4``, ``d512`` and
+  ``d2048`` (``Plan.duel``).
+- ``recent-data``: its best teacher per FLOP (``w128-l3``) and two DLRM sizes on twice the rows, 2 seeds.
+- ``data2x``: the third sweep's recipe on twice the rows, ladders ``w16``-``w128`` and ``d32``-``d2048``, 5 seeds of
+  ``w128-l3``, ``d128`` and ``d2048``; three calls (``--shard I/3``).
 
 **Runs.** Each is a runner process (``OMP_NUM_THREADS=1``, ``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not
 autotune against each other's load), ``--parallel`` (else the plan's ``parallel``, else all of a shard) at once,
@@ -385,6 +391,28 @@ def recent_data_plan() -> Plan:
     )
 
 
+def data2x_plan() -> Plan:
+    """The third sweep's recipe on twice the rows (1,200 steps of 512, one pass), where ``recent-data`` put the
+    teacher ahead: teacher ladder ``w16``-``w128`` (~23x FLOPs per example; ``w256`` would double the GPU time),
+    the four DLRM sizes, 3 seeds each, and 5 seeds of ``w128`` against the DLRM's two best sizes."""
+    history, rows = 1024, 512
+    recent = recent_plan()
+    small = teacher_size(16, 2, 2, history, rows, lr=width_scaled_lr(4e-3, 32, 16),
+                         extra=TRAINED_RECIPE + ONE_PASS_TEACHER + RECENT_TEACHER)
+    teacher = (small, *(s for s in recent.sizes if s.family == "teacher" and s.name != "w256-l4"))
+    return dataclasses.replace(
+        recent,
+        name="data2x",
+        sizes=(*teacher, *(s for s in recent.sizes if s.family == "dlrm")),
+        steps=2 * recent.steps,
+        label=recent.label.replace("307k rows", "614k rows"),
+        probes=(),
+        duel=("teacher-w128-l3", "dlrm-d128", "dlrm-d2048"),
+        duel_seeds=(3, 4),
+        shard_weights=(1.0, 2.0, 2.0),
+    )
+
+
 def dry_plan() -> Plan:
     """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
     steps."""
@@ -413,7 +441,8 @@ def dry_plan() -> Plan:
 
 
 PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "recent": recent_plan,
-                                        "recent-data": recent_data_plan, "dry": dry_plan}
+                                        "recent-data": recent_data_plan, "data2x": data2x_plan,
+                                        "dry": dry_plan}
 
 
 def build_plan(name: str, preset: str | None = None) -> Plan:
@@ -856,32 +885,46 @@ def merge(summary_path: Path, results_path: Path) -> dict:
     return current
 
 
-def plot(summary_path: Path, png: Path) -> None:
-    """Test click NE against training FLOPs (log x): per model family its seeds (dots) and their mean ± std."""
+def rows_label(summary: dict) -> str:
+    """The rows each run of ``summary`` trained on, as ``"307k rows"``."""
+    rows = {r["train_rows"] for r in summary["runs"] if "test" in r}
+    return " / ".join(f"{n / 1000:.0f}k rows" for n in sorted(rows))
+
+
+def plot(summary_path: Path, png: Path, also: tuple[Path, ...] = ()) -> None:
+    """Test click NE against training FLOPs (log x): per model family its seeds (dots) and their mean ± std;
+    each summary in ``also`` (the same world, another data budget) as dashed curves beside them."""
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = json.loads(summary_path.read_text())
+    summaries = [json.loads(p.read_text()) for p in (summary_path, *also)]
+    worlds = {json.dumps(s.get("world", {}).get("oracle_test"), sort_keys=True) for s in summaries}
+    if len(worlds) > 1:
+        raise ValueError(f"{[str(p) for p in (summary_path, *also)]}: summaries of different worlds")
+    summary = summaries[0]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family, color in zip(FAMILIES, ("tab:blue", "tab:orange"), strict=True):
-        rows = [g for g in summary["rows"] if g["model"] == family and not g.get("probe")]
-        probes = [g for g in summary["rows"] if g["model"] == family and g.get("probe")]
-        if not rows:
-            continue
-        runs = [r for r in summary["runs"] if r["model"] == family and "test" in r and not r.get("probe")]
-        ax.scatter([r["train_flops_at_best"] for r in runs], [r["test"]["click/ne"] for r in runs], color=color,
-                   alpha=0.35, s=14)
-        ax.errorbar([g["train_flops"] for g in rows], [g["click_ne_mean"] for g in rows],
-                    yerr=[g["click_ne_std"] for g in rows], color=color, marker="o", capsize=3, label=family)
-        # Probes (one seed, one change each) beside the curve, not on it.
-        ax.scatter([g["train_flops"] for g in probes], [g["click_ne_mean"] for g in probes], color=color,
-                   marker="x", s=24)
-        for g in (*rows, *probes):
-            ax.annotate(g["size"], (g["train_flops"], g["click_ne_mean"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=7, color=color)
+    for index, part in enumerate(summaries):
+        style, rows_text = ("-", "--", ":")[index % 3], rows_label(part)
+        for family, color in zip(FAMILIES, ("tab:blue", "tab:orange"), strict=True):
+            rows = [g for g in part["rows"] if g["model"] == family and not g.get("probe")]
+            probes = [g for g in part["rows"] if g["model"] == family and g.get("probe")]
+            if not rows:
+                continue
+            runs = [r for r in part["runs"] if r["model"] == family and "test" in r and not r.get("probe")]
+            ax.scatter([r["train_flops_at_best"] for r in runs], [r["test"]["click/ne"] for r in runs], color=color,
+                       alpha=0.35, s=14)
+            ax.errorbar([g["train_flops"] for g in rows], [g["click_ne_mean"] for g in rows],
+                        yerr=[g["click_ne_std"] for g in rows], color=color, marker="o", capsize=3,
+                        linestyle=style, label=f"{family}, {rows_text}" if also else family)
+            # Probes (one seed, one change each) beside the curve, not on it.
+            ax.scatter([g["train_flops"] for g in probes], [g["click_ne_mean"] for g in probes], color=color,
+                       marker="x", s=24)
+            for g in (*rows, *probes):
+                ax.annotate(g["size"], (g["train_flops"], g["click_ne_mean"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7, color=color)
     oracle = summary.get("world", {}).get("oracle_test", {}).get("click", {}).get("ne")
     if oracle is not None:
         ax.axhline(oracle, color="grey", linestyle="--", linewidth=1, label="oracle (true probabilities)")
@@ -957,6 +1000,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot_parser = commands.add_parser("plot", help="test click NE against training FLOPs, as a PNG")
     plot_parser.add_argument("summary")
     plot_parser.add_argument("png")
+    plot_parser.add_argument("--also", action="append", default=[], metavar="SUMMARY",
+                             help="another summary of the same world (another data budget), drawn dashed")
     return parser
 
 
@@ -976,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.action == "merge":
             print(f"{args.results}: {len(merge(Path(args.summary), Path(args.results))['rows'])} rows")
         else:
-            plot(Path(args.summary), Path(args.png))
+            plot(Path(args.summary), Path(args.png), tuple(Path(p) for p in args.also))
             print(f"{args.png}: written")
     except (ValueError, FileNotFoundError) as exc:
         print(f"compute_scaling: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ from experiments.compute_scaling import (
     parse_shard,
     plan_runs,
     prepare,
+    rows_label,
     run_budget,
     run_command,
     shard_runs,
@@ -114,6 +115,14 @@ def test_combine_merge_and_plot_from_the_bundle(dry, tmp_path):
     png = tmp_path / "docs" / "scaling.png"
     assert main(["plot", str(tmp_path / "s.json"), str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Another data budget on the same world beside it; a summary of another world is refused in one line.
+    more = {**combined, "runs": [{**r, "train_rows": 2 * r["train_rows"]} for r in combined["runs"]]}
+    assert rows_label(more) == f"{2 * combined['runs'][0]['train_rows'] / 1000:.0f}k rows"
+    (tmp_path / "more.json").write_text(json.dumps(more))
+    assert main(["plot", str(tmp_path / "s.json"), str(png), "--also", str(tmp_path / "more.json")]) == 0
+    elsewhere = {**more, "world": {"oracle_test": {"click": {"ne": 0.5}}}}
+    (tmp_path / "elsewhere.json").write_text(json.dumps(elsewhere))
+    assert main(["plot", str(tmp_path / "s.json"), str(png), "--also", str(tmp_path / "elsewhere.json")]) == 2
 
 
 def test_world_reused_when_the_same_and_refused_when_not(dry):
@@ -222,7 +231,21 @@ def test_recent_data_plan_reads_twice_the_rows_once():
     assert {s.family for s in plan.sizes} == set(FAMILIES) and set(plan.sizes) <= set(recent.sizes)
 
 
-@pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "scaling", "dry"])
+def test_data2x_plan_spans_ten_times_the_flops_and_runs_the_duel_on_five_seeds():
+    plan = PLANS["data2x"]()
+    schema = build_schema(plan.world)
+    offsets = torch.tensor([0, 20, 120, 446, 1470])
+    flops = [flops_per_example(s, schema, offsets) for s in plan.sizes if s.family == "teacher"]
+    assert len(flops) >= 4 and flops == sorted(flops) and flops[-1] > 10 * flops[0]
+    assert len([s for s in plan.sizes if s.family == "dlrm"]) >= 3
+    assert plan.train_rows == 2 * PLANS["recent"]().train_rows <= plan.world.num_examples * plan.world.split_fractions[0]
+    seeds: dict[str, set[int]] = {}
+    for run in plan_runs(plan):
+        seeds.setdefault(run.size_key, set()).add(run.seed)
+    assert {k for k, v in seeds.items() if len(v) == 5} == set(plan.duel)
+
+
+@pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "data2x", "scaling", "dry"])
 def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
     """What the GPU calls will start: each run's command line through its runner's own parser, and its
     overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
@@ -242,11 +265,11 @@ def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
             assert parsed.max_steps == plan.steps
         cfg = apply_overrides(get_flavor(parsed.flavor), parsed.overrides)
         assert cfg.data.batch_size == plan.batch_rows and cfg.data.max_len == plan.history
-        if plan_name in ("trained", "recent", "recent-data"):
+        if plan_name in ("trained", "recent", "recent-data", "data2x"):
             assert cfg.train.precision == "bf16-mixed" and cfg.data.num_workers == 2
             if run.size.family == "teacher":
                 assert cfg.model.teacher.dropout == (0.1 if "dropout" in run.size.probe else 0.0)
-                assert cfg.model.teacher.num_recent == (8 if "recent" in plan_name or "recent" in run.size.name else 0)
+                assert cfg.model.teacher.num_recent == (8 if plan_name in ("recent", "recent-data", "data2x") or "recent" in run.size.name else 0)
 
 
 def test_weighted_shards_follow_the_weights():
