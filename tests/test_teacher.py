@@ -30,13 +30,7 @@ from tests.teacher_batches import (
 LENGTHS = [0, 1, 5, 9, 3, 2]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: thread start-up dominates, and oversubscribed CPUs make it far worse.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(cfg: TeacherConfig, schema, seed: int = 0):

@@ -25,12 +25,7 @@ from tests.teacher_batches import CTR_SCHEMA, NEXT_ITEM_SCHEMA, make_batch, tiny
 LENGTHS = [0, 1, 7, 4, 12]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("num_suffix", [0, 1, 3])

@@ -8,18 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from experiments.ml1m_hstu import best_valid, main
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_ml1m_script_converts_trains_and_ranks(tmp_path):
