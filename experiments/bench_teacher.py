@@ -58,8 +58,10 @@ a proxy for the GPU step's host work. Trailing ``field=value`` arguments overrid
 :mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one after another inside
 the first step; ``precompile_s`` (recording and compiling) is part of the first step's time. After the first step
 one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
-in Triton's cache: what the precompile missed). Fresh-machine
-measurement (an empty cache each run)::
+in Triton's cache: what the precompile missed). A precompile that compiled every kernel leaves a manifest in the
+cache, keyed by what decides the step's kernels (:func:`precompile_key`); a later run of the same step on that cache
+records nothing and starts no compile process (one line: ``kernel precompile: skipped (cache holds ...)``).
+Fresh-machine measurement (an empty cache each run)::
 
     TRITON_CACHE_DIR=$(mktemp -d) python -m experiments.bench_teacher --flavor large --data /tmp/world \
         --max-history 512 --token-budget 16384 --steps 10 --no-precompile --json /tmp/cold_jit.json
