@@ -58,8 +58,10 @@ a proxy for the GPU step's host work. Trailing ``field=value`` arguments overrid
 :mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one after another inside
 the first step; ``precompile_s`` (recording and compiling) is part of the first step's time. After the first step
 one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
-in Triton's cache: what the precompile missed). Fresh-machine
-measurement (an empty cache each run)::
+in Triton's cache: what the precompile missed). A precompile that compiled every kernel leaves a manifest in the
+cache, keyed by what decides the step's kernels (:func:`precompile_key`); a later run of the same step on that cache
+records nothing and starts no compile process (one line: ``kernel precompile: skipped (cache holds ...)``).
+Fresh-machine measurement (an empty cache each run)::
 
     TRITON_CACHE_DIR=$(mktemp -d) python -m experiments.bench_teacher --flavor large --data /tmp/world \
         --max-history 512 --token-budget 16384 --steps 10 --no-precompile --json /tmp/cold_jit.json
@@ -78,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -123,7 +126,7 @@ from foundation.model.precision import CastOnce  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
 from gem.loop import GraphConfig, StaticStep  # noqa: E402
-from gem.precompile import precompile_step  # noqa: E402
+from gem.precompile import precompile_step, step_key, warm_cache  # noqa: E402
 from kernels.precompile import (  # noqa: E402
     KernelCompilePool,
     cache_entries,
@@ -167,12 +170,14 @@ def open_batches(data_dir: Path, data_cfg: DataConfig, args) -> Iterator:
 
 
 def train(
-    model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict, pool=None, batches=None
+    model, optimizer, data_dir: Path, data_cfg: DataConfig, args, device, marks: dict, pool=None, batches=None,
+    key: str | None = None,
 ) -> dict:
     """``args.steps`` optimizer steps; per-step wall times (data wait included), FLOPs, tokens, losses. With
     ``args.precompile``, the first batch's kernels are compiled first (in ``pool`` when given), inside the
-    first step's time. ``batches``: :func:`open_batches` of ``data_cfg`` opened earlier (e.g. before the model
-    build, so that the first batch is ready when the model is), else opened here."""
+    first step's time, unless the manifest of the step ``key`` (:func:`precompile_key`) says the cache holds
+    them. ``batches``: :func:`open_batches` of ``data_cfg`` opened earlier (e.g. before the model build, so that
+    the first batch is ready when the model is), else opened here."""
     use_cuda = device.type == "cuda"
     times, flops, tokens, rows, max_lens, losses, padded = [], [], [], [], [], [], []
     train_step = make_eager_step(model, optimizer, device, args.precision, cast_once=args.cast_once)
@@ -204,7 +209,7 @@ def train(
         if args.precompile and "precompile" not in marks:
             marks["precompile"] = precompile_step(
                 model, batch.to(device), autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None,
-                pool=pool, workers=args.precompile_workers or None, log=log_line,
+                pool=pool, workers=args.precompile_workers or None, key=key, log=log_line,
             )
             if pool is not None:
                 pool.close()
@@ -437,10 +442,12 @@ def run(args: argparse.Namespace) -> dict:
         if max_history > cfg.max_len:
             raise ValueError(f"--max-history {max_history} exceeds the flavor's max_len {cfg.max_len}")
         marks: dict = {"build_start": time.perf_counter()}
+        first_cfg = data_config(args, data_dir, max_history, args.token_budget)
+        key = precompile_key(args, cfg, schema, first_cfg, device)
         # Started before the build, so that the compile workers' start-up and the loader's first batches
         # overlap it.
-        pool = compile_pool(args, device)
-        first_batches = open_batches(data_dir, data_config(args, data_dir, max_history, args.token_budget), args)
+        pool = compile_pool(args, device, key)
+        first_batches = open_batches(data_dir, first_cfg, args)
         # Initialised where it trains: on the CPU, `large`'s initialisation alone took most of the build.
         with torch.device(device) if args.init_on_device else contextlib.nullcontext():
             model = build_teacher(cfg, schema)
@@ -459,7 +466,7 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
             oom = False
             try:
-                trace = train(model, optimizer, data_dir, data_cfg, args, device, marks, pool, first_batches)
+                trace = train(model, optimizer, data_dir, data_cfg, args, device, marks, pool, first_batches, key)
             except torch.cuda.OutOfMemoryError as err:
                 oom = True
                 print(f"OOM at token budget {budget}: {str(err).splitlines()[0]}", flush=True)
@@ -534,11 +541,30 @@ def data_config(args: argparse.Namespace, data_dir: Path, max_history: int, toke
     )
 
 
-def compile_pool(args: argparse.Namespace, device: torch.device) -> KernelCompilePool | None:
-    """With ``--precompile`` where kernels compile (CUDA, not the interpreter): the compile workers, started now."""
-    if not args.precompile or device.type != "cuda" or skip_reason(["step"]):
+def compile_pool(args: argparse.Namespace, device: torch.device, key: str | None) -> KernelCompilePool | None:
+    """With ``--precompile`` where kernels compile (CUDA, not the interpreter) and the cache does not hold the
+    kernels of the step ``key`` already (:func:`gem.precompile.warm_cache`): the compile workers, started now."""
+    if not args.precompile or device.type != "cuda" or skip_reason(["step"]) or warm_cache(key):
         return None
     return KernelCompilePool(args.precompile_workers or None, device=device.index or 0)
+
+
+def precompile_key(
+    args: argparse.Namespace, cfg, schema: EventSchema, data_cfg: DataConfig, device: torch.device
+) -> str | None:
+    """With ``--precompile``: the manifest key of the first step (:func:`gem.precompile.step_key`), from what
+    decides its kernels and is known before the model is built: the teacher's config, the schema, the first
+    batch (the data config, its path aside where the world is generated anew in a temporary directory, and the
+    generator's arguments) and the step's switches."""
+    if not args.precompile:
+        return None
+    data = dataclasses.replace(data_cfg, path=args.data or "generated")
+    world = {k: getattr(args, k) for k in ("examples", "users", "items", "world_max_history")}
+    identity = [
+        repr(cfg), repr(schema), repr(data), repr(world),
+        f"cast_once {args.cast_once}", f"bucketed {args.bucketed}",
+    ]
+    return step_key(identity, autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None, device=device)
 
 
 def precompile_seconds(report: dict | None) -> float | None:

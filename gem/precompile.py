@@ -1,7 +1,9 @@
 """A training step's Triton kernels compiled before its first run: the trainers' side of :mod:`kernels.precompile`.
 
 :func:`record_step` runs one step's forward and backward with the kernels' launches recorded instead of run;
-:func:`precompile_step` compiles what it recorded in a process pool before the real step. Used by the Lightning
+:func:`precompile_step` compiles what it recorded in a process pool before the real step, or, given the step's
+key (:func:`step_key`) and a cache that holds what the step needs (:func:`kernels.precompile.cached_step`), does
+neither: on a warm cache both cost seconds and compile nothing. Used by the Lightning
 harness (:class:`gem.train.PrecompileKernels`, ``train.precompile_kernels``) and by
 ``experiments/bench_teacher.py --precompile``.
 """
@@ -9,14 +11,49 @@ harness (:class:`gem.train.PrecompileKernels`, ``train.precompile_kernels``) and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
+import foundation
 from foundation.data.batch import JaggedBatch
 from gem.loop import autocast
-from kernels.precompile import KernelCompilePool, LaunchRecord, precompile, record_launches, skip_reason
+from kernels.precompile import (
+    KernelCompilePool,
+    LaunchRecord,
+    cached_step,
+    precompile,
+    record_launches,
+    skip_reason,
+)
+from kernels.precompile import step_key as kernels_step_key
+
+
+def module_identity(model: nn.Module) -> str:
+    """What of ``model`` decides its step's kernels, as text: its class and module tree (with each module's
+    settings, as ``repr`` shows them) and the name, shape, dtype and trainability of every parameter and buffer."""
+    tensors = [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+    tensors += [(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
+    return f"{type(model).__module__}.{type(model).__qualname__}\n{model!r}\n{tensors!r}"
+
+
+def step_key(identity: Sequence[str], *, autocast_dtype: torch.dtype | None, device: torch.device) -> str:
+    """The manifest key (:func:`kernels.precompile.step_key`) of a training step described by ``identity`` (e.g.
+    :func:`module_identity`, the config and the batch shapes) under autocast to ``autocast_dtype`` on ``device``.
+    The source of :mod:`foundation` and :mod:`gem` is part of it: the models and the step decide which kernels
+    launch, with which block sizes, where no config or parameter shape shows it."""
+    index = device.index if device.type == "cuda" and device.index is not None else 0
+    sources = [Path(foundation.__file__).resolve().parent, Path(__file__).resolve().parent]
+    return kernels_step_key([*identity, f"autocast {autocast_dtype}"], device=index, sources=sources)
+
+
+def warm_cache(key: str | None) -> bool:
+    """Whether a pool started for the step ``key`` would find nothing to do (the step's manifest holds): the
+    callers that start a pool before the step ask this first, silently (:func:`precompile_step` logs the
+    decision)."""
+    return key is not None and not skip_reason(["step"]) and bool(cached_step(key, log=lambda line: None))
 
 
 def record_step(
@@ -60,17 +97,26 @@ def precompile_step(
     forward: Callable[[JaggedBatch], object] | None = None,
     pool: KernelCompilePool | None = None,
     workers: int | None = None,
+    key: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Record the step's launches on ``batch`` (:func:`record_step`) and compile them into Triton's cache
     (:func:`kernels.precompile.precompile`, in ``pool`` when given) before the real step runs.
 
+    With ``key`` (:func:`step_key`): skipped, with one logged line, when the step's manifest says the cache holds
+    its kernels (:func:`kernels.precompile.cached_step`); otherwise a precompile that compiles every spec writes
+    that manifest for the next start.
+
     A logged no-op where nothing compiles (Triton's interpreter, no CUDA). Never raises: a kernel that fails to
     compile, or a step that fails to record (the real step will then meet the same error), costs one logged line,
     and the kernels compile at their launches, as without this. Returns ``{"specs", "launches", "record_s",
-    "compiled", "failed", "compile_s", "workers", "skipped"}``.
+    "compiled", "failed", "compile_s", "workers", "skipped", "cached"}`` (``cached``: skipped on the manifest).
     """
     reason = skip_reason(["step"])
+    cached = False
+    if not reason and key is not None:
+        reason = cached_step(key, log=log)
+        cached = bool(reason)
     start = time.perf_counter()
     if not reason:
         try:
@@ -80,13 +126,13 @@ def precompile_step(
     if reason:
         log(f"kernel precompile: skipped ({reason})")
         return {"specs": 0, "launches": 0, "record_s": 0.0, "compiled": 0, "failed": [], "compile_s": 0.0,
-                "workers": 0, "skipped": reason}
+                "workers": 0, "skipped": reason, "cached": cached}
     if batch.candidate.is_cuda:
         torch.cuda.synchronize(batch.candidate.device)
     record_s = time.perf_counter() - start
-    report = precompile(record.specs, workers, pool=pool, log=log).as_dict()
+    report = precompile(record.specs, workers, pool=pool, key=key, log=log).as_dict()
     return {
         "specs": len(record.specs), "launches": sum(record.launches.values()), "record_s": record_s,
         "compiled": report["compiled"], "failed": report["failed"], "compile_s": report["seconds"],
-        "workers": report["workers"], "skipped": report["skipped"],
+        "workers": report["workers"], "skipped": report["skipped"], "cached": False,
     }

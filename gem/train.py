@@ -38,7 +38,7 @@ from gem.datamodule import EventDataModule
 from gem.errors import ResumeError, TrainingError
 from gem.logs import route_library_loggers
 from gem.module import RecModule
-from gem.precompile import precompile_step
+from gem.precompile import module_identity, precompile_step, step_key, warm_cache
 from gem.run_dir import RUN_CONFIG_FILE, check_same_run, record_config, remove_stale_temps, train_lock
 from gem.tracking import (
     MetricRecorder,
@@ -99,12 +99,14 @@ class PrecompileKernels(L.Callback):
     The compile workers start when fitting starts (their start-up overlaps the data loader's); at the first
     batch the module's step is recorded (:func:`gem.precompile.precompile_step`: forward through the module's
     ``forward_batch``, under its autocast dtype) and compiled, then the workers end; after the step, one line names
-    the kernels it still compiled itself. Off CUDA, in Triton's interpreter or where the module's resolved switch is
-    off (:mod:`gem.step_options`), one logged line.
+    the kernels it still compiled itself. Where the step's manifest says Triton's cache already holds its kernels
+    (the step's key: :func:`step_identity`), no worker starts and nothing is recorded. Off CUDA, in Triton's
+    interpreter or where the module's resolved switch is off (:mod:`gem.step_options`), one logged line.
     """
 
     def __init__(self) -> None:
         self.pool: KernelCompilePool | None = None
+        self.key: str | None = None
         self.done = False
         self.report: dict | None = None
         self.cached: frozenset[str] | None = None  # Triton's cache entries before the first step
@@ -115,6 +117,11 @@ class PrecompileKernels(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if not self._enabled(pl_module) or skip_reason(["step"]):
+            return
+        self.key = step_key(
+            step_identity(pl_module), autocast_dtype=pl_module.step_options.autocast_dtype, device=pl_module.device
+        )
+        if warm_cache(self.key):
             return
         try:
             self.pool = KernelCompilePool(device=pl_module.device.index or 0)
@@ -131,11 +138,12 @@ class PrecompileKernels(L.Callback):
         try:
             self.report = precompile_step(
                 pl_module.model, batch, autocast_dtype=pl_module.step_options.autocast_dtype,
-                forward=lambda b: pl_module.forward_batch(b, split), pool=self.pool, log=_log.info,
+                forward=lambda b: pl_module.forward_batch(b, split), pool=self.pool, key=self.key, log=_log.info,
             )
         finally:
             self.close()
-        if self.report is not None and not self.report["skipped"]:
+        # After a skip on the manifest too: the line after the step shows whether the cache held what it said.
+        if self.report is not None and (not self.report["skipped"] or self.report["cached"]):
             self.cached = cache_entries()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -154,6 +162,17 @@ class PrecompileKernels(L.Callback):
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+def step_identity(pl_module: RecModule) -> list[str]:
+    """What decides the kernels of ``pl_module``'s first training step, for its manifest key
+    (:func:`gem.precompile.step_key`): the model (:func:`gem.precompile.module_identity`), the module's class (its
+    ``forward_batch``), the step's switches (cast once, static shapes) and the data config (the first batch)."""
+    options = pl_module.step_options
+    return [
+        module_identity(pl_module.model), f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+        f"cast_once {options.cast_once}", f"shapes {options.shapes!r}", repr(pl_module.cfg.data),
+    ]
 
 
 def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: MetricRecorder | None) -> L.Trainer:

@@ -21,6 +21,14 @@ inside the first forward and backward. This module takes that work off the step 
    ``python -m kernels.precompile``: never a fork of the CUDA-initialised caller, and, unlike a
    ``multiprocessing`` child, it does not re-import the caller's ``__main__`` (a whole training stack).
 
+3. A manifest (:func:`write_manifest`, :func:`cached_step`): after a precompile that compiled every spec, the
+   cache entries its workers wrote or found are listed in a small JSON file in Triton's cache directory, named by
+   a key that identifies the step without recording it (:func:`step_key`: the caller's description of its model
+   and batches, the source of the code that launches the kernels and of the kernels, the Triton and torch versions,
+   the device capability, the kernel switches and ``TRITON_*`` variables). A later start with the same key whose
+   cache still holds every file listed skips the recording and the pool: on a warm cache they cost seconds and
+   find nothing to compile.
+
 In Triton's interpreter (``TRITON_INTERPRET=1``) or without CUDA nothing is compiled: :func:`precompile` logs
 one line and returns. A spec that fails to compile (in a worker, or a pool that cannot start) costs one logged
 line; the JIT then compiles that kernel at its launch as it would have without this module.
@@ -30,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import inspect
+import json
 import os
 import pickle
 import pkgutil
@@ -43,6 +53,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -193,7 +204,8 @@ def _binder(kernel) -> Callable:
 @dataclass
 class PrecompileReport:
     """What :func:`precompile` did: specs compiled, failed (``kernel: error`` each) and its wall seconds; ``skipped``
-    says why nothing was compiled (empty when the pool ran)."""
+    says why nothing was compiled (empty when the pool ran). ``entries``: the cache entries (directory names) the
+    workers' compiles wrote or read, sorted: what the step's launches will look up (:func:`write_manifest`)."""
 
     specs: int = 0
     compiled: int = 0
@@ -201,6 +213,7 @@ class PrecompileReport:
     seconds: float = 0.0
     workers: int = 0
     skipped: str = ""
+    entries: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -254,7 +267,7 @@ class KernelCompilePool:
         tasks: queue.SimpleQueue = queue.SimpleQueue()
         for spec in sorted(specs, key=_cost, reverse=True):
             tasks.put(spec)
-        outcomes: list[tuple[LaunchSpec, str | None]] = []
+        outcomes: list[tuple[LaunchSpec, str | None, list[str]]] = []
         threads = [threading.Thread(target=_serve, args=(p, tasks, outcomes), daemon=True) for p in self.processes]
         for thread in threads:
             thread.start()
@@ -268,11 +281,12 @@ class KernelCompilePool:
                 thread.join()
         left = f"compile pool timed out after {timeout_s:g} s" if timed_out else "no compile worker left"
         while not tasks.empty():  # every worker died, or the pool timed out, before these
-            outcomes.append((tasks.get(), left))
-        failed = [f"{spec.name}: {error}" for spec, error in outcomes if error is not None]
+            outcomes.append((tasks.get(), left, []))
+        failed = [f"{spec.name}: {error}" for spec, error, _ in outcomes if error is not None]
         return PrecompileReport(
             specs=len(specs), compiled=len(outcomes) - len(failed), failed=failed,
             seconds=time.perf_counter() - start, workers=self.workers,
+            entries=sorted({entry for _, _, entries in outcomes for entry in entries}),
         )
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
@@ -308,10 +322,11 @@ def _serve(process: subprocess.Popen, tasks: queue.SimpleQueue, outcomes: list) 
             return
         try:
             _send(process.stdin, spec)
-            outcomes.append((spec, _receive(process.stdout)))
+            error, entries = _receive(process.stdout)
+            outcomes.append((spec, error, entries))
         except (OSError, EOFError, pickle.UnpicklingError) as err:
             code = process.poll()
-            outcomes.append((spec, f"compile worker died ({_one_line(err)}; exit code {code})"))
+            outcomes.append((spec, f"compile worker died ({_one_line(err)}; exit code {code})", []))
             return
 
 
@@ -333,13 +348,17 @@ def precompile(
     workers: int | None = None,
     *,
     pool: KernelCompilePool | None = None,
+    key: str | None = None,
     log: Callable[[str], None] = print,
 ) -> PrecompileReport:
     """Compile ``specs`` into Triton's on-disk cache in parallel (module doc): in ``pool`` when given (left
-    open), else in a pool of ``workers`` processes (default ``min(16, cpu_count)``) made and closed here.
+    open), else in a pool of ``workers`` processes (default ``min(16, cpu_count)``) made and closed here. With
+    ``key`` (:func:`step_key`), a pool that compiled every spec leaves the manifest of the step
+    (:func:`write_manifest`), so the next start with that key can skip all this (:func:`cached_step`).
 
     Logs one line: what was compiled and how long it took, why nothing was (interpreter, no CUDA, no specs),
-    or how many specs failed, with the first error. Never raises for a failed compile.
+    or how many specs failed, with the first error; and one for the manifest written. Never raises for a failed
+    compile.
     """
     reason = skip_reason(specs)
     if reason:
@@ -357,6 +376,8 @@ def precompile(
         if owned:
             pool.close()
     log(summary_line(report))
+    if key is not None and not report.failed:
+        write_manifest(key, report, log=log)
     return report
 
 
@@ -371,6 +392,11 @@ def skip_reason(specs: Sequence[LaunchSpec]) -> str:
     return ""
 
 
+# A directory of Triton's cache, beside its entries (directories too), holding one manifest per step key: not an
+# entry of the cache (:func:`cache_entries`).
+MANIFESTS = "precompile-manifests"
+
+
 def cache_entries() -> frozenset[str]:
     """The entries of Triton's on-disk cache (``TRITON_CACHE_DIR``); empty in the interpreter, which compiles
     nothing, and before the cache exists."""
@@ -379,7 +405,120 @@ def cache_entries() -> frozenset[str]:
     from triton import knobs
 
     directory = knobs.cache.dir
-    return frozenset(os.listdir(directory)) if directory and os.path.isdir(directory) else frozenset()
+    return frozenset(os.listdir(directory)) - {MANIFESTS} if directory and os.path.isdir(directory) else frozenset()
+
+
+MANIFEST_VERSION = 1
+# Files a cache entry may hold for a while that its lookups do not read.
+_TRANSIENT = ("lock", "tmp.")
+
+
+def step_key(identity: Sequence[str], *, device: int = 0, sources: Sequence[Path] = ()) -> str:
+    """The manifest key of a step (hex sha256): the caller's ``identity`` of it (whatever decides which kernels
+    its launches specialise, e.g. the model's structure, the autocast dtype, the batch shapes) and the source
+    (``.py`` and ``.json`` files) under the directories ``sources`` (the code that launches the kernels), with what
+    this side knows decides it too: the Triton and torch versions, CUDA device ``device``'s capability, the
+    source of the ``kernels`` package (kernels, launch wrappers, tuned configs), the effective kernel switches and
+    the ``TRITON_*`` environment. Computed without recording the step, so a start can decide on it before the
+    model exists; any change to the source costs one precompile, which writes the manifest of the new key."""
+    import triton
+
+    from kernels.settings import effective_kernel_settings
+
+    capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_"))
+    parts = [
+        *identity, f"triton {triton.__version__}", f"torch {torch.__version__}", f"capability {capability}",
+        repr(effective_kernel_settings()), repr(environment),
+    ]
+    for directory in map(Path, (Path(__file__).resolve().parent, *sources)):
+        for path in sorted(directory.rglob("*")):
+            if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
+                # Named within the package: two checkouts of the same code share their manifests.
+                parts += [f"{directory.name}/{path.relative_to(directory).as_posix()}", path.read_text()]
+    digest = hashlib.sha256()
+    for part in parts:  # length-prefixed: parts cannot run into one another
+        data = part.encode()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def manifest_path(key: str) -> Path | None:
+    """Where the manifest of step ``key`` lives in Triton's cache (None in the interpreter or without a cache
+    directory: nothing is compiled, or kept, there)."""
+    if interpreted():
+        return None
+    from triton import knobs
+
+    directory = knobs.cache.dir
+    return Path(directory) / MANIFESTS / f"{key}.json" if directory else None
+
+
+def write_manifest(key: str, report: PrecompileReport, *, log: Callable[[str], None] = print) -> Path | None:
+    """Record that the step ``key`` needs the cache entries ``report.entries`` (:meth:`KernelCompilePool.compile`),
+    with the files each holds now; returns the manifest's path, or None where none is written (entries unknown,
+    or the cache unwritable: one logged line). Written whole or not at all (a temporary file, then renamed), so
+    a concurrent reader or a crash never leaves a partial manifest under the key's name."""
+    path = manifest_path(key)
+    if path is None or not report.entries:
+        return None
+    cache = path.parent.parent
+    entries = {}
+    for entry in report.entries:
+        with contextlib.suppress(OSError):
+            files = sorted(f for f in os.listdir(cache / entry) if not f.startswith(_TRANSIENT))
+            if files:
+                entries[entry] = files
+    manifest = {"version": MANIFEST_VERSION, "key": key, "specs": report.specs, "entries": entries}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        log(f"kernel precompile: no manifest written ({_one_line(err)})")
+        return None
+    log(f"kernel precompile: manifest {path} ({len(entries)} cache entries)")
+    return path
+
+
+def cached_step(key: str, *, log: Callable[[str], None] = print) -> str:
+    """Why the step ``key`` needs no precompile: its manifest (:func:`write_manifest`) parses and every file it
+    lists is in the cache (then ``"cache holds the N kernels of this step, manifest <file>"``); '' otherwise.
+    Logs one line for a manifest that does not parse or lists files that are gone; no manifest, no line. Never
+    raises."""
+    path = manifest_path(key)
+    try:
+        if path is None or not path.is_file():
+            return ""
+        specs, entries = _read_manifest(path, key)
+        cache = path.parent.parent
+        missing = sum(not (cache / entry / name).is_file() for entry, files in entries.items() for name in files)
+    except (OSError, ValueError) as err:
+        log(f"kernel precompile: manifest {path} ignored ({_one_line(err)})")
+        return ""
+    if missing:
+        log(f"kernel precompile: manifest {path} lists {missing} cache files that are gone; compiling")
+        return ""
+    return f"cache holds the {specs} kernels of this step, manifest {path}"
+
+
+def _read_manifest(path: Path, key: str) -> tuple[int, dict[str, list[str]]]:
+    """``(specs, entries)`` of the manifest at ``path``; ValueError unless it is one of ``key``."""
+    try:
+        manifest = json.loads(path.read_bytes())
+    except UnicodeDecodeError as err:  # a ValueError whose message is the offending bytes
+        raise ValueError("not UTF-8 text") from err
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION or manifest.get("key") != key:
+        raise ValueError(f"not a version {MANIFEST_VERSION} manifest of this key")
+    specs, entries = manifest.get("specs"), manifest.get("entries")
+    if not (isinstance(specs, int) and isinstance(entries, dict) and entries and all(
+        isinstance(files, list) and files and all(isinstance(f, str) for f in files) for files in entries.values()
+    )):
+        raise ValueError("no spec count or cache entries")
+    return specs, entries
 
 
 def compiled_since(before: frozenset[str]) -> list[str]:
@@ -480,18 +619,48 @@ def _resolve(kernel: str):
     return found
 
 
-def _compile_spec(spec: LaunchSpec) -> None:
-    """In a worker: compile ``spec`` into the on-disk cache through the kernel's ``warmup``, and build its launcher."""
+def _compile_spec(spec: LaunchSpec) -> list[str]:
+    """In a worker: compile ``spec`` into the on-disk cache through the kernel's ``warmup``, and build its launcher;
+    returns the cache entries that took (:func:`_entries_used`)."""
     from triton.runtime import driver
 
-    compiled = _resolve(spec.kernel).warmup(*spec.args, grid=(1,), **dict(spec.kwargs))
-    launcher = getattr(driver.active, "launcher_cls", None)
-    if compiled is not None and launcher is not None:
-        launcher(compiled.src, compiled.metadata)
+    with _entries_used() as used:
+        compiled = _resolve(spec.kernel).warmup(*spec.args, grid=(1,), **dict(spec.kwargs))
+        launcher = getattr(driver.active, "launcher_cls", None)
+        if compiled is not None and launcher is not None:
+            launcher(compiled.src, compiled.metadata)
+    return sorted(used)
+
+
+@contextlib.contextmanager
+def _entries_used() -> Iterator[set[str]]:
+    """Inside, the entries of Triton's on-disk cache that a compile or a launcher build opens (to read or to write)
+    are collected into the yielded set. Triton opens an entry through a ``FileCacheManager`` made for it, whether it
+    finds the entry or fills it; a custom cache manager (``TRITON_CACHE_MANAGER``) opens none that this sees, and the
+    set stays empty (then no manifest is written)."""
+    from triton import knobs
+    from triton.runtime.cache import FileCacheManager
+
+    used: set[str] = set()
+    init = FileCacheManager.__init__
+    cache = os.path.normpath(knobs.cache.dir or "")
+
+    def recording_init(manager, key, *args, **kwargs):
+        init(manager, key, *args, **kwargs)
+        # Only entries of the cache the launches read: the dump and override managers' directories are elsewhere.
+        if os.path.normpath(os.path.dirname(getattr(manager, "cache_dir", None) or "")) == cache:
+            used.add(key)
+
+    FileCacheManager.__init__ = recording_init
+    try:
+        yield used
+    finally:
+        FileCacheManager.__init__ = init
 
 
 def _worker(device: int, preload: list[str]) -> None:
-    """A compile worker: set up, then compile each spec read from stdin, answering None or the error's line.
+    """A compile worker: set up, then compile each spec read from stdin, answering ``(None, entries)`` (the cache
+    entries the compile used) or ``(the error's line, [])``.
 
     The answers go to the original stdout; everything else that writes to file descriptor 1 (Triton's tools,
     stray prints) goes to stderr instead, so it cannot corrupt them.
@@ -512,13 +681,13 @@ def _worker(device: int, preload: list[str]) -> None:
             return
         if spec == STOP:
             return
-        error = broken
+        error, entries = broken, []
         if error is None:
             try:
-                _compile_spec(spec)
+                entries = _compile_spec(spec)
             except Exception as err:
                 error = _one_line(err)
-        _send(answers, error)
+        _send(answers, (error, entries))
 
 
 def _set_up_worker(device: int, preload: list[str]) -> None:

@@ -2,7 +2,8 @@
 in a :class:`~kernels.precompile.KernelCompilePool` for an sm_90 target (:mod:`tests.kernels.compile_only_driver`),
 then run the same step for real with each launch stopped after the JIT's cache lookup and compile. Prints one JSON
 line: the pool's report, the cache entries it made, and the entries the real launches added (none when they found
-the pool's) with the kernels that added them.
+the pool's) with the kernels that added them; the entries the real launches read that the pool's report does not
+list (what a manifest written from it would miss), and whether that manifest, written, then makes the step skip.
 
 ``python -m tests.kernels.precompile_cache_check layer_norm``: a fused LayerNorm's forward and backward.
 ``--cold`` after either: the pool compiles nothing (the real launches compile every kernel).
@@ -23,10 +24,14 @@ import tests.kernels.compile_only_driver  # noqa: F401  (the active driver: comp
 from kernels import layer_norm
 from kernels.precompile import (
     KernelCompilePool,
+    _entries_used,
     cache_entries,
+    cached_step,
     compiled_since,
     kernel_modules,
     record_launches,
+    step_key,
+    write_manifest,
 )
 
 
@@ -82,12 +87,17 @@ def main(step: str, cold: bool) -> None:
             missed.append(kernel.fn.__name__)
         return compiled
 
+    key = step_key([step])
+    manifest = write_manifest(key, report, log=lambda line: None)
     jit.JITFunction.run = compile_only
     try:
-        run_step()
+        with _entries_used() as read:
+            run_step()
     finally:
         jit.JITFunction.run = run
     print(json.dumps({
+        "entries_listed": len(report.entries), "entries_read_not_listed": sorted(read - set(report.entries)),
+        "manifest_written": manifest is not None, "manifest_skip": cached_step(key, log=print),
         "specs": report.specs, "compiled": report.compiled, "failed": report.failed, "cache_entries": len(made),
         "entries_added_by_the_real_launches": sorted(cache_entries() - made), "kernels_compiled_by_the_real_launches": missed,
         "compiled_since": compiled_since(made),

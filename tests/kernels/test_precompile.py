@@ -271,6 +271,9 @@ def test_the_pool_fills_the_cache_the_real_launches_read(tmp_path, step, specs):
     assert specs is None or result["specs"] == specs
     assert result["kernels_compiled_by_the_real_launches"] == []
     assert result["entries_added_by_the_real_launches"] == []
+    assert result["entries_read_not_listed"] == [] and result["entries_listed"] == result["cache_entries"]
+    assert result["manifest_written"]
+    assert result["manifest_skip"].startswith(f"cache holds the {result['specs']} kernels of this step, manifest ")
 
 
 @pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
