@@ -33,8 +33,9 @@ from tests.test_teacher import (
     _successor_world,
     assert_every_parameter_learns,
     build,
-    one_thread,  # noqa: F401  (autouse: tiny tensors run on one thread)
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 HSTU_NEXT_ITEM = {"interleave": False, "num_cls": 0, "history_features": (), "abs_pos_emb": True}
 ALL_BLOCK_SWITCHES = {"norm": "plain", "init": "reference", "uvqk_bias": False, "rel_bias": "shared"}

@@ -21,8 +21,9 @@ from tests.test_teacher import (
     _successor_world,
     assert_every_parameter_learns,
     build,
-    one_thread,  # noqa: F401  (autouse: tiny tensors run on one thread)
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LENGTHS = [0, 1, 5, 9, 3, 2]
 HSTU_NEXT_ITEM = {"interleave": False, "num_cls": 0, "history_features": (), "abs_pos_emb": True}
