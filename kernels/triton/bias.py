@@ -65,7 +65,12 @@ def gather(table, idx, PTX: tl.constexpr):
 
 @triton.jit
 def time_bucket(dt, T_SIZE, PTX: tl.constexpr):
-    """``min(floor(ln(max(|dt|, 1)) / 0.301), T - 1)`` of float32 time differences, as int32."""
+    """``min(floor(ln(max(|dt|, 1)) / 0.301), T - 1)`` of time differences, as int32.
+
+    ``dt`` is converted to float32 here, after the subtraction: the kernels take times as int32 offsets
+    (:func:`kernels.triton.jagged_attention.relative_timestamps`), whose differences are exact.
+    """
+    dt = dt.to(tl.float32)
     if PTX:
         return tl.inline_asm_elementwise(
             _BUCKET_ASM, "=r,f,f", [dt, (T_SIZE - 1).to(tl.float32)], dtype=tl.int32, is_pure=True, pack=1

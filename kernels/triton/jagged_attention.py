@@ -176,7 +176,7 @@ def _fwd_tiles(
                         TMA, MASKED, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
+            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
             s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr, tb_ptr,
                             P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         if ACT == 0:
@@ -277,7 +277,7 @@ def _fwd_kernel(
         q = tl.load(Q + q_start * stride_qm + h * stride_qh + offs_m[:, None] * stride_qm + offs_dqk[None, :],
                     mask=q_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
     row0 = kv_start.to(tl.int32)
-    ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
+    ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
@@ -336,7 +336,7 @@ def _bwd_dq_tiles(
                                BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0.0) if HAS_TB else offs_n
+            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
             s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr,
                                  tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         dp = tl.dot(do, tl.trans(v))
@@ -398,9 +398,9 @@ def _bwd_dq_kernel(
     else:
         lse = tl.zeros([BLOCK_M], dtype=tl.float32)
         delta = lse
-    ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0.0) if HAS_TB else offs_m
+    ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0) if HAS_TB else offs_m
     # The next row's query time, for the runs of the time-table gradient (kernels/triton/bias.py).
-    ts_m_next = tl.load(QTS + q_start + offs_m + 1, mask=offs_m + 1 < q_len, other=0.0) if HAS_TB else offs_m
+    ts_m_next = tl.load(QTS + q_start + offs_m + 1, mask=offs_m + 1 < q_len, other=0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
@@ -467,7 +467,7 @@ def _bwd_dkdv_tiles(
                      mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0.0) if HAS_TB else offs_m
+            ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
             s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
                               pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
         dp_t = tl.dot(v, tl.trans(do))
@@ -515,7 +515,7 @@ def _bwd_dkdv_kernel(
                 mask=n_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
     v = tl.load(V + kv_start * stride_vm + h * stride_vh + offs_n[:, None] * stride_vm + offs_dv[None, :],
                 mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    ts_n = tl.load(TS + kv_start + offs_n, mask=n_ok, other=0.0) if HAS_TB else offs_n
+    ts_n = tl.load(TS + kv_start + offs_n, mask=n_ok, other=0) if HAS_TB else offs_n
 
     # Query tiles that can see this key block: causal ones start at the block's diagonal.
     lo = n_start // BLOCK_M * BLOCK_M if CAUSAL else 0
@@ -953,18 +953,22 @@ def jagged_attention(
 def relative_timestamps(
     timestamps: torch.Tensor, offsets: torch.Tensor, origin: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[L]`` float32 offsets of each time from its sequence's first event, ``origin[offsets[b]]``
+    """``[L]`` int32 offsets of each time from its sequence's first event, ``origin[offsets[b]]``
     (``origin`` defaults to ``timestamps``; query times are measured from the keys' first event).
 
     The time bias needs only differences inside a sequence, so the kernels work on these instead
-    of int64 times: every per-pair operation stays 32-bit. Offsets below 2**24 (194 days in
-    seconds) are exact, so are their differences, and the buckets equal the int64 computation's;
-    longer spans round to 24 significant bits, which can move a pair across a bucket edge only
-    when its log-time lies within ~1e-7 of that edge.
+    of int64 times: every per-pair operation stays 32-bit, and the kernels subtract two offsets in
+    int32 before converting the difference to float32, so a difference is exact whatever the span
+    (float32 offsets would round the times of a sequence longer than 2**24 s, 194 days, to 2-8 s
+    and move short gaps between its late events across bucket edges). Offsets are clamped to
+    ``±2**30`` (34 years in seconds) so that any difference of two fits in int32: only gaps longer
+    than that change bucket. Integer times only (fractions are truncated).
     """
     seq = torch.searchsorted(offsets[1:], torch.arange(timestamps.numel(), device=timestamps.device), right=True)
     origin = timestamps if origin is None else origin
-    return (timestamps - origin[offsets[seq]]).to(torch.float32)
+    limit = 2**30
+    rel = timestamps.to(torch.int64) - origin[offsets[seq]].to(torch.int64)
+    return rel.clamp_(-limit, limit).to(torch.int32)
 
 
 def jagged_cross_attention(

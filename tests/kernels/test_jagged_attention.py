@@ -130,6 +130,36 @@ def _naive(q, k, v, lengths, max_len, activation, causal, alpha, num_targets, wi
     return out
 
 
+def test_time_bias_on_a_long_span_keeps_short_gaps_between_late_events_exact():
+    """A history that starts two years before its late events, which lie 1-15 s apart: float32 offsets
+    from the first event (ulp 8 s there) would put those gaps in other buckets than the reference's; the
+    kernels subtract int32 offsets, so forward and backward match it."""
+    lengths = [40, 25]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=17, pos=4, time=40)
+    gen = torch.Generator().manual_seed(3)
+    gaps = torch.randint(1, 16, (sum(lengths),), generator=gen)
+    times = []
+    for start, n in zip((0, lengths[0]), lengths, strict=True):
+        late = 2**26 + torch.cumsum(gaps[start + 1:start + n], 0)
+        times.append(torch.cat([torch.zeros(1, dtype=torch.int64), late]) + 1_600_000_000)
+    t["timestamps"] = torch.cat(times)
+    offsets = _offsets(lengths)
+    rel = triton_backend.relative_timestamps(t["timestamps"], offsets)
+    assert torch.equal(rel[1:40].diff(), gaps[2:40].to(torch.int32))
+    assert not torch.equal(rel[1:40].float().diff(), rel[1:40].diff().float())  # float32 offsets lose the gaps
+    kwargs = dict(activation="silu", causal=True)
+    want = _run("pytorch", t, offsets, 40, 5, **kwargs)
+    got = _run("triton", t, offsets, 40, 5, **kwargs)
+    _assert_close(got, want, 1e-4, "long span")
+
+
+def test_relative_timestamps_clamp_so_that_every_difference_fits_int32():
+    offsets = torch.tensor([0, 3])
+    times = torch.tensor([0, 2**40, -(2**40)], dtype=torch.int64)
+    rel = triton_backend.relative_timestamps(times, offsets)
+    assert rel.dtype == torch.int32 and rel.tolist() == [0, 2**30, -(2**30)]
+
+
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize(
     "flags",
@@ -247,13 +277,13 @@ def test_non_finite_values_stay_in_their_own_sequence(activation, tma, monkeypat
 
 def test_time_bias_on_epoch_timestamps_uses_exact_offsets_within_each_sequence():
     """Epoch-second times (~1.7e9, beyond float32's 24 bits) give the reference's buckets: the kernels
-    see float32 offsets from each sequence's first event, exact below 2**24."""
+    see int32 offsets from each sequence's first event."""
     lengths = [30, 0, 1, 17]
     t = _inputs(lengths, 2, 16, 16, torch.float32, seed=13, pos=4, time=40)
     t["timestamps"] = t["timestamps"] * 97 + 1_700_000_000
     offsets = _offsets(lengths)
     rel = triton_backend.relative_timestamps(t["timestamps"], offsets)
-    assert rel.dtype == torch.float32 and rel[0] == 0 and rel[30] == 0 and rel[31] == 0
+    assert rel.dtype == torch.int32 and rel[0] == 0 and rel[30] == 0 and rel[31] == 0
     assert torch.equal(rel[32:].double(), (t["timestamps"][32:] - t["timestamps"][31]).double())
     kwargs = dict(activation="silu", causal=True)
     want = _run("pytorch", t, offsets, 30, 2, **kwargs)
