@@ -307,15 +307,20 @@ TRAINED_RECIPE = ("train.precision=bf16-mixed", "data.num_workers=2", "data.pin_
 ONE_PASS_TEACHER = ("model.teacher.dropout=0.0",)
 
 
+# (width, layers, heads) of the teacher sizes and the DLRM widths of the second and third sweeps.
+TEACHER_LADDER = ((32, 2, 2), (64, 2, 2), (128, 3, 4), (256, 4, 4))
+DLRM_LADDER = (32, 128, 512, 2048)
+
+
 def trained_plan() -> Plan:
     """The second sweep: each size trained properly for one pass over 393k rows (module docstring)."""
     history, rows = 1024, 512
     teacher = [
         teacher_size(w, layers, heads, history, rows, lr=width_scaled_lr(2e-3, 32, w),
                      extra=TRAINED_RECIPE + ONE_PASS_TEACHER)
-        for w, layers, heads in ((32, 2, 2), (64, 2, 2), (128, 3, 4), (256, 4, 4))
+        for w, layers, heads in TEACHER_LADDER
     ]
-    dlrm = [dlrm_size(w, history, rows, lr=width_scaled_lr(4e-3, 32, w), extra=TRAINED_RECIPE) for w in (32, 128, 512, 2048)]
+    dlrm = [dlrm_size(w, history, rows, lr=width_scaled_lr(4e-3, 32, w), extra=TRAINED_RECIPE) for w in DLRM_LADDER]
     return Plan(
         name="trained",
         world=scaling_plan().world,
@@ -349,17 +354,19 @@ def trained_plan() -> Plan:
 RECENT_TEACHER = ("model.teacher.num_recent=8",)
 
 
+def recent_teacher_size(width: int, layers: int, heads: int) -> Size:
+    """A teacher size of the third sweep's recipe (1,024 events, 512-row steps)."""
+    return teacher_size(width, layers, heads, 1024, 512, lr=width_scaled_lr(4e-3, 32, width),
+                        extra=TRAINED_RECIPE + ONE_PASS_TEACHER + RECENT_TEACHER)
+
+
 def recent_plan() -> Plan:
     """The third sweep: the ``trained`` plan with the changes above, and 5 seeds of the largest sizes (the
     teacher's and the DLRM's two best) for the 2-standard-error comparison."""
-    history, rows = 1024, 512
-    teacher = [
-        teacher_size(w, layers, heads, history, rows, lr=width_scaled_lr(4e-3, 32, w),
-                     extra=TRAINED_RECIPE + ONE_PASS_TEACHER + RECENT_TEACHER)
-        for w, layers, heads in ((32, 2, 2), (64, 2, 2), (128, 3, 4), (256, 4, 4))
-    ]
-    dlrm = [dlrm_size(w, history, rows, lr=width_scaled_lr(8e-3, 32, w), extra=TRAINED_RECIPE) for w in (32, 128, 512, 2048)]
     trained = trained_plan()
+    teacher = [recent_teacher_size(*ladder) for ladder in TEACHER_LADDER]
+    dlrm = [dlrm_size(w, trained.history, trained.batch_rows, lr=width_scaled_lr(8e-3, 32, w), extra=TRAINED_RECIPE)
+            for w in DLRM_LADDER]
     return dataclasses.replace(
         trained,
         name="recent",
@@ -395,11 +402,8 @@ def data2x_plan() -> Plan:
     """The third sweep's recipe on twice the rows (1,200 steps of 512, one pass), where ``recent-data`` put the
     teacher ahead: teacher ladder ``w16``-``w128`` (~23x FLOPs per example; ``w256`` would double the GPU time),
     the four DLRM sizes, 3 seeds each, and 5 seeds of ``w128`` against the DLRM's two best sizes."""
-    history, rows = 1024, 512
     recent = recent_plan()
-    small = teacher_size(16, 2, 2, history, rows, lr=width_scaled_lr(4e-3, 32, 16),
-                         extra=TRAINED_RECIPE + ONE_PASS_TEACHER + RECENT_TEACHER)
-    teacher = (small, *(s for s in recent.sizes if s.family == "teacher" and s.name != "w256-l4"))
+    teacher = (recent_teacher_size(16, 2, 2), *(s for s in recent.sizes if s.family == "teacher" and s.name != "w256-l4"))
     return dataclasses.replace(
         recent,
         name="data2x",
