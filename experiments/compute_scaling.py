@@ -42,6 +42,11 @@ memorises), then scores the valid and the test split once.
 - ``recent-data``: its best teacher per FLOP (``w128-l3``) and two DLRM sizes on twice the rows, 2 seeds.
 - ``data2x``: the third sweep's recipe on twice the rows, ladders ``w16``-``w128`` and ``d32``-``d2048``, 5 seeds of
   ``w128-l3``, ``d128`` and ``d2048``; three calls (``--shard I/3``).
+- ``data2x-seeds``: seeds 3 and 4 of ``data2x``'s three smaller teachers (their seeds spread .01-.025 in click NE,
+  ten times the larger sizes'), and ``data2x``'s two runs that its third call cut by time, again (``Plan.reruns``);
+  :func:`combine` joins it to ``data2x``.
+- ``data2x-w128``: why ``w128-l3`` trails ``w64-l2`` on ``data2x``: ``w128`` at ``w64``'s depth (``w128-l2``, a size
+  of the curve) and ``w128-l3`` at ``w64``'s peak rate (a probe, x1.41), 3 seeds each.
 
 **Runs.** Each is a runner process (``OMP_NUM_THREADS=1``, ``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not
 autotune against each other's load), ``--parallel`` (else the plan's ``parallel``, else all of a shard) at once,
@@ -173,7 +178,9 @@ class Plan:
     first sweep); otherwise :mod:`experiments.scaling_run` under that schedule at each size's ``lr``.
     ``probes`` run on ``probe_seeds`` only. ``parallel``: runs at once by default; ``shard_weights``: the share
     of the plan each of ``len(shard_weights)`` calls takes by default. The sizes named in ``duel`` (``<family>-<size>``)
-    also run on ``duel_seeds``: more seeds where two families' best sizes are compared.
+    also run on ``duel_seeds``: more seeds where two families' best sizes are compared. ``reruns`` names runs
+    (``<family>-<size>.s<seed>``) of another plan on the same world that its call cut by time, run again here (the
+    sizes among ``sizes``); :func:`combine` keeps the complete one.
     """
 
     name: str
@@ -192,6 +199,7 @@ class Plan:
     shard_weights: tuple[float, ...] = ()
     duel: tuple[str, ...] = ()
     duel_seeds: tuple[int, ...] = ()
+    reruns: tuple[str, ...] = ()
 
     @property
     def train_rows(self) -> int:
@@ -417,6 +425,39 @@ def data2x_plan() -> Plan:
     )
 
 
+def data2x_seeds_plan() -> Plan:
+    """Seeds 3 and 4 of ``data2x``'s teachers below ``w128`` and its two runs cut by time, again: the ladder on 5
+    seeds, every run on its 614,400 rows."""
+    data2x = data2x_plan()
+    return dataclasses.replace(
+        data2x,
+        name="data2x-seeds",
+        sizes=tuple(s for s in data2x.sizes if s.family == "teacher" and s.name != "w128-l3"),
+        seeds=(3, 4),
+        duel=(),
+        duel_seeds=(),
+        reruns=("teacher-w32-l2.s2", "teacher-w64-l2.s1"),
+        shard_weights=(1.0,),
+    )
+
+
+def data2x_w128_plan() -> Plan:
+    """Depth or rate: ``w128-l2`` (4 heads of 32, as ``w128-l3``) and ``w128-l3`` at ``w64-l2``'s peak rate, on
+    ``data2x``'s rows, seeds 0-2."""
+    data2x = data2x_plan()
+    deep = next(s for s in data2x.sizes if s.family == "teacher" and s.name == "w128-l3")
+    return dataclasses.replace(
+        data2x,
+        name="data2x-w128",
+        sizes=(recent_teacher_size(128, 2, 4),),
+        probes=lr_probes(deep, (1.41,)),
+        probe_seeds=(0, 1, 2),
+        duel=(),
+        duel_seeds=(),
+        shard_weights=(1.0,),
+    )
+
+
 def dry_plan() -> Plan:
     """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
     steps."""
@@ -446,6 +487,7 @@ def dry_plan() -> Plan:
 
 PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "recent": recent_plan,
                                         "recent-data": recent_data_plan, "data2x": data2x_plan,
+                                        "data2x-seeds": data2x_seeds_plan, "data2x-w128": data2x_w128_plan,
                                         "dry": dry_plan}
 
 
@@ -464,12 +506,18 @@ def build_plan(name: str, preset: str | None = None) -> Plan:
 
 
 def plan_runs(plan: Plan) -> list[Run]:
-    """The sizes on every seed, the duel's sizes on the duel seeds, then the probes on the probe seeds."""
+    """The sizes on every seed, the duel's sizes on the duel seeds, the reruns, then the probes on the probe seeds."""
     runs = [Run(size, seed) for size in plan.sizes for seed in plan.seeds]
     unknown = set(plan.duel) - {r.size_key for r in runs}
     if unknown:
         raise ValueError(f"plan {plan.name}: duel names sizes it does not have: {sorted(unknown)}")
     runs += [Run(size, seed) for size in plan.sizes for seed in plan.duel_seeds if Run(size, seed).size_key in plan.duel]
+    sizes = {f"{size.family}-{size.name}": size for size in plan.sizes}
+    for name in plan.reruns:
+        key, _, seed = name.rpartition(".s")
+        if key not in sizes or not seed.isdigit():
+            raise ValueError(f"plan {plan.name}: rerun {name!r} is not <family>-<size>.s<seed> of one of its sizes")
+        runs.append(Run(sizes[key], int(seed)))
     return runs + [Run(size, seed) for size in plan.probes for seed in plan.probe_seeds]
 
 
@@ -864,17 +912,26 @@ def sweep(args: argparse.Namespace) -> dict:
 
 
 def combine(paths: list[Path], target: Path) -> dict:
-    """One summary from the summaries of a plan's shards: their runs together, rows recomputed."""
+    """One summary from the summaries of a plan's shards, and of plans that add runs on the same world and data
+    (``data2x-seeds`` to ``data2x``): their runs together, rows recomputed. A run in two summaries is kept where it
+    trained to its schedule's end and the other copy was cut by time (a rerun); any other repeat is refused."""
     parts = [json.loads(p.read_text()) for p in paths]
-    if len({p["plan"] for p in parts}) != 1 or len({p["data"] for p in parts}) != 1:
-        raise ValueError(f"{[str(p) for p in paths]}: summaries of different plans or worlds")
-    names = [r["name"] for p in parts for r in p["runs"]]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"runs in more than one summary: {twice}")
-    summary = {**parts[0], "shard": [p["shard"] for p in parts], "runs": [r for p in parts for r in p["runs"]]}
+    worlds = {json.dumps(p.get("world"), sort_keys=True) for p in parts}
+    if len({p["data"] for p in parts}) != 1 or len(worlds) != 1:
+        raise ValueError(f"{[str(p) for p in paths]}: summaries of different worlds or data budgets")
+    runs: dict[str, dict] = {}
+    for run in (r for p in parts for r in p["runs"]):
+        kept = runs.setdefault(run["name"], run)
+        if kept is run:
+            continue
+        cut = [r.get("stopped_by") == "time" for r in (kept, run)]
+        if cut.count(True) != 1:
+            raise ValueError(f"run {run['name']} in more than one summary (a rerun replaces only a run cut by time)")
+        runs[run["name"]] = run if cut[0] else kept
+    plans = list(dict.fromkeys(name for p in parts for name in p["plan"].split(" + ")))
+    summary = {**parts[0], "plan": " + ".join(plans), "shard": [p["shard"] for p in parts], "runs": list(runs.values())}
     summary["command"] = " && ".join(dict.fromkeys(p["command"] for p in parts))
-    summary["missing"] = sorted({r.name for r in plan_runs(PLANS[summary["plan"]]())} - set(names))
+    summary["missing"] = sorted({r.name for name in plans for r in plan_runs(PLANS[name]())} - set(runs))
     write_summary(summary, target)
     return summary
 

@@ -100,8 +100,15 @@ def test_combine_merge_and_plot_from_the_bundle(dry, tmp_path):
     assert combined["rows"] == summary["rows"] and combined["missing"] == []
     assert main(["combine", str(tmp_path / "a.json"), "--out", str(tmp_path / "half.json")]) == 0
     assert json.loads((tmp_path / "half.json").read_text())["missing"] == sorted(r["name"] for r in other["runs"])
-    # The same run in two shards is refused.
+    # The same run in two shards is refused, unless one copy was cut by time: the complete one (a rerun) stays.
     assert main(["combine", str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--out", str(tmp_path / "x.json")]) == 2
+    cut = {**half, "runs": [{**r, "stopped_by": "time", "test": {**r["test"], "click/ne": 9.0}} for r in half["runs"]]}
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
+    paths = [str(tmp_path / n) for n in ("cut.json", "a.json", "b.json")]
+    assert main(["combine", *paths, "--out", str(tmp_path / "rerun.json")]) == 0
+    assert json.loads((tmp_path / "rerun.json").read_text())["rows"] == summary["rows"]
+    (tmp_path / "cut2.json").write_text(json.dumps({**cut, "shard": "9/9"}))
+    assert main(["combine", str(tmp_path / "cut.json"), str(tmp_path / "cut2.json"), "--out", str(tmp_path / "x.json")]) == 2
 
     results = tmp_path / "results" / "teacher_vs_dlrm.json"
     results.parent.mkdir()
@@ -245,7 +252,22 @@ def test_data2x_plan_spans_ten_times_the_flops_and_runs_the_duel_on_five_seeds()
     assert {k for k, v in seeds.items() if len(v) == 5} == set(plan.duel)
 
 
-@pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "data2x", "scaling", "dry"])
+def test_data2x_seeds_plan_completes_the_teacher_ladder_on_five_seeds():
+    """With ``data2x`` (its two runs cut by time replaced by the reruns), every teacher size has seeds 0-4."""
+    data2x, more = PLANS["data2x"](), PLANS["data2x-seeds"]()
+    assert more.label == data2x.label and more.world == data2x.world and more.train_rows == data2x.train_rows
+    extra = plan_runs(more)
+    assert {r.name for r in extra} >= set(more.reruns) and set(more.reruns) <= {r.name for r in plan_runs(data2x)}
+    seeds: dict[str, set[int]] = {}
+    for run in plan_runs(data2x) + extra:
+        seeds.setdefault(run.size_key, set()).add(run.seed)
+    assert all(v == {0, 1, 2, 3, 4} for k, v in seeds.items() if k.startswith("teacher"))
+    with pytest.raises(ValueError, match="rerun"):
+        plan_runs(dataclasses.replace(more, reruns=("teacher-w999-l1.s0",)))
+
+
+@pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "data2x", "data2x-seeds", "data2x-w128", "scaling",
+                                       "dry"])
 def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
     """What the GPU calls will start: each run's command line through its runner's own parser, and its
     overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
