@@ -38,6 +38,10 @@ Plans (``--plan``, repeatable; each run once per ``--seeds`` seed):
   ``sequences-one-shard``): 7 groups, 21 runs at 3 seeds;
 - ``reference-large``: ``ml1m_hstu_large``: the default and ``rel_bias=shared`` (which only matters with
   several heads) on ``sequences``, :data:`ALL_REFERENCE` on ``sequences-one-shard``: 9 runs at 3 seeds.
+- ``realtime``: real against positional time, paired: ``ml1m_hstu`` and ``ml1m_hstu_large`` on ``ratings`` and on
+  ``sequences``; run with ``--users 2999`` so that both arms hold the same users, sequences and targets (only the
+  times differ). ``realtime-more``: its controls, ``sasrec`` on both arms (it reads no time) and
+  ``ml1m_hstu_large`` on ``ratings`` without the time bias (``time_buckets=0``).
 
 ``--runs FILE`` adds runs from a JSON list of ``{"flavor", "seed", "data", "overrides": [...],
 "env": {...}}`` (``data``, ``overrides`` and ``env`` optional).
@@ -165,10 +169,18 @@ def plan_runs(plan: str, seeds: list[int]) -> list[RunSpec]:
         return _variants("ml1m_hstu_large", "sequences", [((), {}), (("rel_bias=shared",), {})], seeds) + _variants(
             "ml1m_hstu_large", ONE_SHARD, [ALL_REFERENCE], seeds
         )
+    if plan == "realtime":
+        return [RunSpec(flavor, seed, data) for flavor in ("ml1m_hstu_large", "ml1m_hstu")
+                for data in ("ratings", "sequences") for seed in seeds]
+    if plan == "realtime-more":
+        return [RunSpec("sasrec", seed, data) for data in ("ratings", "sequences") for seed in seeds] + _variants(
+            "ml1m_hstu_large", "ratings", [(("time_buckets=0",), {})], seeds
+        )
     raise ValueError(f"unknown plan {plan!r}; choose one of {PLANS}")
 
 
-PLANS = ("calibration", "timebias", "timebias-large", "suspects", "reference", "reference-large")
+PLANS = ("calibration", "timebias", "timebias-large", "suspects", "reference", "reference-large", "realtime",
+         "realtime-more")
 
 
 def load_runs(path: Path) -> list[RunSpec]:

@@ -57,6 +57,14 @@ def test_plans():
         "attention_norm=211", "attention_norm=row", "GEM_KERNELS_FAST_SIGMOID=0", "negative_pool=used"
     }
     assert {r.flavor for r in suspects} == {"ml1m_hstu"} and len(suspects) == 12
+    realtime = plan_runs("realtime", [0, 1, 2])
+    assert {(r.flavor, r.data, r.variant) for r in realtime} == {
+        (f, d, "default") for f in ("ml1m_hstu", "ml1m_hstu_large") for d in ("ratings", "sequences")
+    } and len(realtime) == 12
+    more = plan_runs("realtime-more", [0, 1, 2])
+    assert {(r.flavor, r.data, r.variant) for r in more} == {
+        ("sasrec", "ratings", "default"), ("sasrec", "sequences", "default"), ("ml1m_hstu_large", "ratings", "time_buckets=0")
+    } and len(more) == 9
     with pytest.raises(ValueError, match="unknown plan"):
         plan_runs("everything", [0])
 
