@@ -52,7 +52,8 @@ def step_key(identity: Sequence[str], *, autocast_dtype: torch.dtype | None, dev
 def warm_cache(key: str | None) -> bool:
     """Whether a pool started for the step ``key`` would find nothing to do (the step's manifest holds): the
     callers that start a pool before the step ask this first, silently (:func:`precompile_step` logs the
-    decision)."""
+    decision). Ask before any kernel launches: where it holds, no pool will start to settle this process's kernel
+    keys to the workers', so this does (:func:`kernels.precompile.cached_step`)."""
     return key is not None and not skip_reason(["step"]) and bool(cached_step(key, log=lambda line: None))
 
 
@@ -104,8 +105,9 @@ def precompile_step(
     (:func:`kernels.precompile.precompile`, in ``pool`` when given) before the real step runs.
 
     With ``key`` (:func:`step_key`): skipped, with one logged line, when the step's manifest says the cache holds
-    its kernels (:func:`kernels.precompile.cached_step`); otherwise a precompile that compiles every spec writes
-    that manifest for the next start.
+    its kernels (:func:`kernels.precompile.cached_step`, which also settles this process's kernel keys, so the
+    step's launches find the entries under the keys an earlier pool's workers compiled them: call this before the
+    step's first launch); otherwise a precompile that compiles every spec writes that manifest for the next start.
 
     A logged no-op where nothing compiles (Triton's interpreter, no CUDA). Never raises: a kernel that fails to
     compile, or a step that fails to record (the real step will then meet the same error), costs one logged line,

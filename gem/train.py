@@ -121,6 +121,8 @@ class PrecompileKernels(L.Callback):
         self.key = step_key(
             step_identity(pl_module), autocast_dtype=pl_module.step_options.autocast_dtype, device=pl_module.device
         )
+        # Here, before the sanity check's launches: on a warm cache this is what settles the kernels' keys to
+        # those the earlier pool compiled under (a pool started below settles them itself).
         if warm_cache(self.key):
             return
         try:

@@ -488,7 +488,12 @@ def cached_step(key: str, *, log: Callable[[str], None] = print) -> str:
     """Why the step ``key`` needs no precompile: its manifest (:func:`write_manifest`) parses and every file it
     lists is in the cache (then ``"cache holds the N kernels of this step, manifest <file>"``); '' otherwise.
     Logs one line for a manifest that does not parse or lists files that are gone; no manifest, no line. Never
-    raises."""
+    raises.
+
+    Before it says so, it settles the process's kernel keys (:func:`settle_cache_keys`), as a pool's start does:
+    the files listed are an earlier pool's, under its workers' keys, and a caller that skips the pool on this
+    answer starts none to settle them. Unsettled, on Triton 3.6, the step's launches looked the attention kernels
+    up under other keys and compiled them again. Call it before the step's first launch."""
     path = manifest_path(key)
     try:
         if path is None or not path.is_file():
@@ -502,6 +507,10 @@ def cached_step(key: str, *, log: Callable[[str], None] = print) -> str:
     if missing:
         log(f"kernel precompile: manifest {path} lists {missing} cache files that are gone; compiling")
         return ""
+    try:
+        settle_cache_keys()
+    except Exception as err:  # a pool could not start either (it settles too): those that miss compile at launch
+        log(f"kernel precompile: kernel cache keys not settled ({_one_line(err)})")
     return f"cache holds the {specs} kernels of this step, manifest {path}"
 
 
@@ -560,8 +569,9 @@ def kernel_modules() -> list[str]:
 def settle_cache_keys(modules: Sequence[str] | None = None) -> int:
     """Give the ``@triton.jit`` functions of ``modules`` (default :func:`kernel_modules`) the cache keys that every
     process computes for them, whatever it compiled before; returns how many. Both sides of a precompile call
-    it (the caller when its pool starts, each worker after its imports), so a worker's artifact lands under the
-    key the caller's launch looks up.
+    it (the caller when its pool starts, or when a manifest says an earlier pool's artifacts are there:
+    :func:`cached_step`; each worker after its imports), so a worker's artifact lands under the key the caller's
+    launch looks up.
 
     Why: a kernel's key hashes the ``constexpr`` globals that it and the functions it calls read. Triton 3.6 merges
     a called function's globals into its caller's before it hashes that function, so a caller hashed before its

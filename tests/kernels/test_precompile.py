@@ -276,6 +276,22 @@ def test_the_pool_fills_the_cache_the_real_launches_read(tmp_path, step, specs):
     assert result["manifest_skip"].startswith(f"cache holds the {result['specs']} kernels of this step, manifest ")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
+def test_a_warm_start_finds_the_kernels_an_earlier_pool_compiled(tmp_path):
+    """A second start on the cache a pool filled (sm_90, compiled without a GPU) skips on the manifest, starts no
+    pool, and its step compiles nothing, though it hashed the attention's kernels in another order than the
+    workers did (under Triton 3.6 it compiled 12 of them again: nothing settled its keys without a pool)."""
+    env = _without_interpreter(tmp_path)
+    first = _run_check("tests.kernels.precompile_cache_check", "teacher", env=env)
+    assert first["failed"] == [] and first["manifest_written"]
+    second = _run_check("tests.kernels.precompile_cache_check", "teacher", "--warm", env=env)
+    assert second["cached"] and second["skipped"].startswith(f"cache holds the {first['specs']} kernels of this step")
+    assert second["cache_entries"] == first["cache_entries"]
+    assert second["kernels_compiled_by_the_real_launches"] == []
+    assert second["entries_added_by_the_real_launches"] == []
+
+
 @pytest.mark.skipif(not _ptxas().is_file(), reason="this Triton bundles no ptxas: it cannot compile for CUDA here")
 def test_the_kernels_a_step_compiles_itself_are_named(tmp_path):
     """What ``bench_teacher`` logs after its first step: the kernels it compiled in-process (new cache entries), by

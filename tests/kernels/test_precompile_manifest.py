@@ -221,6 +221,30 @@ def test_the_step_is_skipped_on_its_manifest_without_recording_or_a_pool(cache, 
     assert not result["cached"] and result["skipped"].startswith("recording the step failed: AssertionError")
 
 
+def test_the_skip_settles_the_kernel_keys_a_pool_would_have(cache, monkeypatch):
+    """No pool starts on the warm path, and a pool's start is what settles the process's kernel keys
+    (:func:`kernels.precompile.settle_cache_keys`): the skip settles them instead, at the sites that take it before
+    the step's first launch (the harness and the bench ask :func:`warm_cache`). A settle that fails costs a line."""
+    settled: list[None] = []
+    monkeypatch.setattr(kernels.precompile, "settle_cache_keys", lambda modules=None: settled.append(modules) or 0)
+    monkeypatch.setattr(gem.precompile, "skip_reason", lambda specs: "")
+    monkeypatch.setattr(kernels.precompile, "KernelCompilePool", no_pool)
+    lines: list[str] = []
+    write("k1", lines)
+    assert not warm_cache("k2") and not settled  # no skip: the pool that starts settles them
+    assert warm_cache("k1") and settled == [None]
+    result = precompile_step(Unrecordable(), make_batch(CTR_SCHEMA, [2]), autocast_dtype=None, key="k1",
+                             log=lines.append)
+    assert result["cached"] and settled == [None, None]
+
+    def broken(modules=None):
+        raise ImportError("no module named kernels.triton.gone")
+
+    monkeypatch.setattr(kernels.precompile, "settle_cache_keys", broken)
+    assert cached_step("k1", log=lines.append).startswith("cache holds the 2 kernels of this step")
+    assert lines[-1] == "kernel precompile: kernel cache keys not settled (ImportError: no module named kernels.triton.gone)"
+
+
 def test_the_harness_starts_no_pool_on_a_warm_cache(cache, monkeypatch):
     """:class:`gem.train.PrecompileKernels`: the key from the module, no pool, the step skipped, and the line after
     the first step still taken (it shows whether the cache held what the manifest said)."""
