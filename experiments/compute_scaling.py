@@ -47,6 +47,9 @@ memorises), then scores the valid and the test split once.
   :func:`combine` joins it to ``data2x``.
 - ``data2x-w128``: why ``w128-l3`` trails ``w64-l2`` on ``data2x``: ``w128`` at ``w64``'s depth (``w128-l2``, a size
   of the curve) and ``w128-l3`` at ``w64``'s peak rate (a probe, x1.41), 3 seeds each.
+- ``data4x``: the next test of why ``w128`` trails ``w64`` at 614k rows (short of data, as ``w256`` was at 307k?):
+  ``w32``, ``w64``, ``w128-l3`` and the DLRM's ``d128`` and ``d2048`` on four times ``recent``'s rows (2,400 steps,
+  1.2M of the 1.6M train rows, one pass), 3 seeds; three calls.
 
 **Runs.** Each is a runner process (``OMP_NUM_THREADS=1``, ``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not
 autotune against each other's load), ``--parallel`` (else the plan's ``parallel``, else all of a shard) at once,
@@ -458,6 +461,23 @@ def data2x_w128_plan() -> Plan:
     )
 
 
+def data4x_plan() -> Plan:
+    """``data2x``'s recipe on twice its rows: does the teacher's curve keep falling past ``w64`` once ``w128`` has the
+    data? Three teacher sizes and the DLRM's two ends, seeds 0-2."""
+    data2x = data2x_plan()
+    keep = ("teacher-w32-l2", "teacher-w64-l2", "teacher-w128-l3", "dlrm-d128", "dlrm-d2048")
+    return dataclasses.replace(
+        data2x,
+        name="data4x",
+        sizes=tuple(s for s in data2x.sizes if f"{s.family}-{s.name}" in keep),
+        steps=2 * data2x.steps,
+        label=data2x.label.replace("614k rows", "1229k rows"),
+        duel=(),
+        duel_seeds=(),
+        shard_weights=(1.0, 1.0, 1.0),
+    )
+
+
 def dry_plan() -> Plan:
     """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
     steps."""
@@ -488,7 +508,7 @@ def dry_plan() -> Plan:
 PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "recent": recent_plan,
                                         "recent-data": recent_data_plan, "data2x": data2x_plan,
                                         "data2x-seeds": data2x_seeds_plan, "data2x-w128": data2x_w128_plan,
-                                        "dry": dry_plan}
+                                        "data4x": data4x_plan, "dry": dry_plan}
 
 
 def build_plan(name: str, preset: str | None = None) -> Plan:

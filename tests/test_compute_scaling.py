@@ -252,6 +252,15 @@ def test_data2x_plan_spans_ten_times_the_flops_and_runs_the_duel_on_five_seeds()
     assert {k for k, v in seeds.items() if len(v) == 5} == set(plan.duel)
 
 
+def test_data4x_plan_reads_four_times_the_third_sweeps_rows_once():
+    plan, data2x = PLANS["data4x"](), PLANS["data2x"]()
+    assert plan.train_rows == 2 * data2x.train_rows <= plan.world.num_examples * plan.world.split_fractions[0]
+    assert plan.world == data2x.world and "1229k rows" in plan.label and "614k" not in plan.label
+    assert {f"{s.family}-{s.name}" for s in plan.sizes} == {
+        "teacher-w32-l2", "teacher-w64-l2", "teacher-w128-l3", "dlrm-d128", "dlrm-d2048"
+    }
+
+
 def test_data2x_seeds_plan_completes_the_teacher_ladder_on_five_seeds():
     """With ``data2x`` (its two runs cut by time replaced by the reruns), every teacher size has seeds 0-4."""
     data2x, more = PLANS["data2x"](), PLANS["data2x-seeds"]()
@@ -266,8 +275,8 @@ def test_data2x_seeds_plan_completes_the_teacher_ladder_on_five_seeds():
         plan_runs(dataclasses.replace(more, reruns=("teacher-w999-l1.s0",)))
 
 
-@pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "data2x", "data2x-seeds", "data2x-w128", "scaling",
-                                       "dry"])
+@pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "data2x", "data2x-seeds", "data2x-w128", "data4x",
+                                       "scaling", "dry"])
 def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
     """What the GPU calls will start: each run's command line through its runner's own parser, and its
     overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
