@@ -10,12 +10,15 @@ embedding modules are ignored: their rows are model-parallel and updated by the 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from foundation.model.interformer import PersonalizedFFN
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -101,6 +104,15 @@ def apply_fsdp(
     A 1-D mesh shards (FSDP); a 2-D ``(dp_replicate, dp_shard)`` mesh replicates across the first
     dim and shards across the second (HSDP).
     """
+    # FSDP2 warns, every step, when a unit returns a view: an in-place op on it would skip the unit's pre-backward
+    # hook. Two views are by design and nothing modifies them in place: the personalised FFN hands its residual
+    # stream on through its norm's autograd op, as a view of its input (that op's backward then adds the stream's
+    # gradient in its own pass; the next block adds to it out of place), and a model's per-task logits are the
+    # columns of one [B, tasks] tensor (the losses read them out of place).
+    for name in {PersonalizedFFN.__name__, type(model).__name__}:
+        warnings.filterwarnings(
+            "ignore", message=rf"FSDP2-wrapped module \(FSDP{name}\) returned a view", category=UserWarning
+        )
     policy = cfg.mixed_precision()
     blocks = find_unit_paths(model, cfg.units)
     children = other_dense_children(model, blocks, ignored_params) if cfg.shard_children else []
