@@ -1008,7 +1008,11 @@ def plot(summary_path: Path, png: Path, also: tuple[Path, ...] = ()) -> None:
                             xytext=(4, 4), fontsize=7, color=color)
     oracle = summary.get("world", {}).get("oracle_test", {}).get("click", {}).get("ne")
     if oracle is not None:
-        ax.axhline(oracle, color="grey", linestyle="--", linewidth=1, label="oracle (true probabilities)")
+        low, high = ax.get_ylim()
+        if oracle >= low - (high - low):
+            ax.axhline(oracle, color="grey", linestyle="--", linewidth=1, label="oracle (true probabilities)")
+        else:  # a line that far below would squash the curves into a band: its value goes in the legend instead
+            ax.plot([], [], color="grey", linestyle="--", linewidth=1, label=f"oracle (true probabilities): {oracle:.4f}")
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("training FLOPs (model FLOPs of the steps trained, to the best valid epoch)")
