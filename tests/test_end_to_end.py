@@ -16,15 +16,17 @@ STAGE_KEYS = ("baseline", "teacher", "student_alone", "student_distilled")
 
 @pytest.fixture(scope="module")
 def mission(tmp_path_factory):
-    """``gem quickstart --recipe tiny`` in a fresh directory, run twice (the second reuses every stage)."""
+    """``gem quickstart --recipe tiny`` in a fresh directory, run twice (the second reuses every stage). The latency
+    budget is wide: a loaded CI machine stretches p99 past the recipe's 20 ms, and the refusal over a budget is
+    tests/test_serving.py's to check."""
     work = tmp_path_factory.mktemp("quickstart")
     patch = pytest.MonkeyPatch()
     patch.chdir(work)
     patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work}/mlflow.db")
     try:
-        assert main(["quickstart", "--recipe", "tiny"]) == 0
+        assert main(["quickstart", "--recipe", "tiny", "--p99-ms", "1000"]) == 0
         first = json.loads((work / "runs/quickstart" / REPORT_FILE).read_text())
-        assert main(["quickstart", "--recipe", "tiny", "--json", str(work / "again.json")]) == 0
+        assert main(["quickstart", "--recipe", "tiny", "--p99-ms", "1000", "--json", str(work / "again.json")]) == 0
         yield work, first, json.loads((work / "again.json").read_text())
     finally:
         patch.undo()
