@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -18,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from foundation.model.teacher import build_teacher
 from foundation.parallel.fsdp import FSDPConfig, apply_fsdp
 from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+from tests.test_parallel_training import free_port
 
 WORLD = 2
 
@@ -38,12 +38,6 @@ def step_warnings(rank: int, port: int, out_dir: str) -> None:
         torch.save({"messages": messages, "grads": grads}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_sharded_teacher_step_warns_about_no_block_output():
