@@ -9,10 +9,11 @@ import torch
 
 from foundation.model.hstu import HSTUBlock
 from foundation.model.interaction import WukongBlock
-from foundation.model.interformer import PersonalizedFFN
+from foundation.model.interformer import PersonalizedFFN, SequenceSummary, SummaryLayout
+from foundation.model.jagged import SuffixLayout, last_tokens
 from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm
 from foundation.model.precision import CastOnce
-from kernels import jagged_silu_modulate, silu_split
+from kernels import jagged_cross_attention, jagged_silu_modulate, silu_split
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -142,6 +143,58 @@ def test_personalized_ffn_equals_its_previous_formulation(autocast, cast_once):
     new = outputs_and_grads(Call(pffn, lambda m, t: PersonalizedFFN.forward(m, t, rows, summary)), x, autocast, cast_once)
     old = outputs_and_grads(Call(pffn, lambda m, t: pffn_before(m, t, rows, summary)), x, autocast, False)
     assert_same(new, old, autocast)
+
+
+def summary_before(m: SequenceSummary, seq: torch.Tensor, layout: SuffixLayout, offsets: torch.Tensor,
+                   max_len: int, num_cls: int) -> torch.Tensor:
+    """``[L + B*S, d]`` -> ``[B, C + seeds + K, d]``: the summary as it was, on the stream split into history and
+    suffix at every layer (one permutation of the whole stream each way)."""
+    history, suffix = layout.split(seq)
+    batch, d = offsets.numel() - 1, seq.shape[-1]
+    parts = [suffix[:, :num_cls]]
+    if m.num_seeds:
+        h, s = m.num_heads, m.num_seeds
+        q = m.query(m.seeds).view(1, s, h, d // h).expand(batch, s, h, d // h).reshape(batch * s, h, d // h)
+        k, v = m.key_value(apply_layer_norm(m.kv_norm, history)).view(-1, 2, h, d // h).unbind(1)
+        seeds = torch.arange(batch + 1) * s
+        pooled = jagged_cross_attention(q, k, v, seeds, offsets, s, max(max_len, 1), activation="softmax")
+        parts.append(m.seeds + m.pma_out(pooled.reshape(batch, s, d)))
+    if m.num_recent:
+        parts.append(last_tokens(history, offsets, m.num_recent, m.recent_fill))
+    summary = torch.cat(parts, dim=1)
+    return summary * torch.sigmoid(m.gate(summary))
+
+
+def summary_case(num_seeds: int, num_recent: int):
+    """A summary module, a batch (an empty history, histories shorter and longer than ``num_recent``; CLS and
+    candidate suffix tokens) and the two formulations as :class:`Call` s of the stream ``x[L + B*S, d]``, each
+    giving the summary and the stream it hands on, flattened into one output."""
+    torch.manual_seed(0)
+    module = SequenceSummary(16, 2, num_seeds, num_recent)
+    with torch.no_grad():
+        if num_recent:
+            module.recent_fill.normal_()
+    lengths, num_cls, num_suffix = [5, 0, 2, 9], 2, 3
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    layout = SuffixLayout.build(offsets, sum(lengths), num_suffix)
+    summary_layout = SummaryLayout.build(offsets, layout, max(lengths), num_cls, num_seeds, num_recent)
+
+    def new(m, x):
+        out, summary = SequenceSummary.forward(m, x, summary_layout)
+        return torch.cat([summary.flatten(), out.flatten()])
+
+    def old(m, x):
+        return torch.cat([summary_before(m, x, layout, offsets, max(lengths), num_cls).flatten(), x.flatten()])
+
+    x = torch.randn(sum(lengths) + len(lengths) * num_suffix, 16)
+    return Call(module, new), Call(module, old), x
+
+
+@pytest.mark.parametrize(("num_seeds", "num_recent"), [(3, 4), (3, 0), (0, 4)])
+@pytest.mark.parametrize(("autocast", "cast_once"), [(False, False), (True, False), (True, True)])
+def test_sequence_summary_on_the_stream_equals_its_previous_formulation(autocast, cast_once, num_seeds, num_recent):
+    new, old, x = summary_case(num_seeds, num_recent)
+    assert_same(outputs_and_grads(new, x, autocast, cast_once), outputs_and_grads(old, x, autocast, False), autocast)
 
 
 def test_static_step_hands_the_fused_optimizer_gradients_in_the_parameters_layout():

@@ -59,14 +59,15 @@ def interaction_flops(cfg: TeacherConfig, batch: int, n_in: int, n_out: int) -> 
     return cross + token_mix
 
 
-def summary_flops(cfg: TeacherConfig, batch: int, num_tokens: int) -> tuple[float, float]:
-    """``(dense, attention)`` FLOPs of one sequence summary (PMA + gate) over ``num_tokens`` history tokens."""
+def summary_flops(cfg: TeacherConfig, batch: int, num_tokens: int, combined: int) -> tuple[float, float]:
+    """``(dense, attention)`` FLOPs of one sequence summary (PMA + gate) over ``num_tokens`` history tokens; its
+    key/value projection runs over the whole stream of ``combined`` tokens, the suffix tokens too."""
     d, s = cfg.d_model, cfg.num_pma_seeds
     n_summary = cfg.num_cls + s + cfg.num_recent
     dense = mm(batch * n_summary, d, d)
     attention = 0.0
     if s:
-        dense += mm(s, d, d) + mm(num_tokens, d, 2 * d) + mm(batch * s, d, d)
+        dense += mm(s, d, d) + mm(combined, d, 2 * d) + mm(batch * s, d, d)
         attention = attention_flops(s * num_tokens, cfg.num_heads, d // cfg.num_heads, d // cfg.num_heads)
     return dense, attention
 
@@ -122,7 +123,7 @@ def teacher_flop_breakdown(
             )
             parts["interleave"] += pffn
             if i < num_summaries:
-                dense, attention = summary_flops(cfg, b, num_tokens)
+                dense, attention = summary_flops(cfg, b, num_tokens, combined)
                 parts["interleave"] += dense + interaction_flops(
                     cfg, b, widths[i] + n_summary, cfg.interaction_tokens
                 )
@@ -130,7 +131,7 @@ def teacher_flop_breakdown(
         n_user = cfg.interaction_tokens
     if not next_item:
         if not cfg.interleave:
-            dense, attention = summary_flops(cfg, b, num_tokens)
+            dense, attention = summary_flops(cfg, b, num_tokens, combined)
             parts["interleave"] += dense
             parts["attention"] += attention
         parts["output"] = ctr_output_flops(cfg, schema, b, n_user + n_summary, with_candidate)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from foundation.model.jagged import RecentTokens
-from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm, fused_dropout
+from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
+from foundation.model.norms import apply_residual_layer_norm, fused_dropout
 from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_cross_attention, jagged_silu_modulate
 
@@ -65,28 +65,57 @@ class PersonalizedFFN(nn.Module):
 
 @dataclass
 class SummaryLayout:
-    """What every layer's :class:`SequenceSummary` of one batch needs from its offsets, built once per batch.
+    """Where every layer's :class:`SequenceSummary` of one batch finds its tokens in the combined stream
+    (:class:`~foundation.model.jagged.SuffixLayout`: row ``b`` is ``[history_b, suffix_b]``), built once per batch.
+
+    The summary reads the stream where it lies instead of splitting it into history and suffix at every layer
+    (a permutation of the whole float32 stream each way). Row ``b``'s history is the contiguous range
+    ``[c_b, c_b + n_b)`` of the stream, so the PMA attends over ``2B`` key sequences, history and suffix of each
+    row in turn, the suffix ones without queries.
 
     Attributes:
-        seed_offsets: ``[B+1]`` offsets of the PMA seed queries (``num_seeds`` per row), or None without seeds.
-        recent: the K most recent history tokens of every row, or None without them.
+        num_cls: ``C``, the CLS tokens (the first of each row's suffix tokens).
+        seed_offsets: ``[2B+1]`` PMA queries: ``num_seeds`` for each history, none for each suffix; or None.
+        key_offsets: ``[2B+1]`` the stream as ``2B`` key sequences, ``c_b, c_b + n_b, c_{b+1}, ...``; or None.
+        max_keys: at least the most keys of any of those sequences.
+        picks: ``[B, C + K]`` stream positions of the CLS tokens, then of the K most recent history tokens.
+        pick_valid: ``[B, C + K]`` bool: False for recent slots before the start of a shorter history.
     """
 
+    num_cls: int
     seed_offsets: torch.Tensor | None
-    recent: RecentTokens | None
+    key_offsets: torch.Tensor | None
+    max_keys: int
+    picks: torch.Tensor
+    pick_valid: torch.Tensor
 
     @classmethod
-    def build(cls, offsets: torch.Tensor, num_seeds: int, num_recent: int) -> SummaryLayout:
-        batch = offsets.numel() - 1
-        seeds = torch.arange(batch + 1, device=offsets.device) * num_seeds if num_seeds else None
-        return cls(seeds, RecentTokens.build(offsets, num_recent) if num_recent else None)
+    def build(
+        cls, offsets: torch.Tensor, layout: SuffixLayout, max_len: int, num_cls: int, num_seeds: int, num_recent: int
+    ) -> SummaryLayout:
+        """``offsets[B+1]`` of the histories, ``layout`` of the combined stream, ``max_len`` the longest history."""
+        batch, device = offsets.numel() - 1, offsets.device
+        starts = layout.offsets[:-1]
+        seeds = keys = None
+        if num_seeds:
+            seeds = (torch.arange(2 * batch + 1, device=device) + 1) // 2 * num_seeds
+            ends = starts + (offsets[1:] - offsets[:-1])
+            keys = torch.cat([torch.stack([starts, ends], 1).flatten(), layout.offsets[-1:]])
+        cls_picks = layout.suffix_index[:, :num_cls]
+        recent = RecentTokens.build(offsets, num_recent)
+        # History token i of row b sits at i + b * S in the stream.
+        rows = torch.arange(batch, device=device)[:, None]
+        picks = torch.cat([cls_picks, recent.index + rows * layout.num_suffix], 1)
+        valid = torch.cat([torch.ones_like(cls_picks, dtype=torch.bool), recent.valid], 1)
+        return cls(num_cls, seeds, keys, max(max_len, layout.num_suffix, 1), picks, valid)
 
 
 class SequenceSummary(nn.Module):
-    """History tokens -> ``[B, num_cls + num_seeds + num_recent, d]`` summary tokens, self-gated.
+    """The combined stream -> ``[B, num_cls + num_seeds + num_recent, d]`` summary tokens, self-gated.
 
-    PMA: learned seeds cross-attend (softmax) to the history; rows with an empty history get the
-    bare seeds. Recent slots before the start of a short history hold a learned filler.
+    CLS tokens; PMA: learned seeds cross-attend (softmax) to the history, rows with an empty history
+    get the bare seeds; the K most recent history tokens, slots before the start of a short history
+    holding a learned filler.
     """
 
     def __init__(self, d_model: int, num_heads: int, num_seeds: int, num_recent: int) -> None:
@@ -104,11 +133,9 @@ class SequenceSummary(nn.Module):
             self.recent_fill = nn.Parameter(torch.zeros(num_recent, d_model))
         self.gate = nn.Linear(d_model, d_model)
 
-    def pool_by_seeds(
-        self, history: torch.Tensor, offsets: torch.Tensor, max_len: int, seed_offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """PMA: ``history[L, d]`` -> ``[B, num_seeds, d]``; ``seed_offsets[B+1]`` from :class:`SummaryLayout`."""
-        batch, d = offsets.numel() - 1, history.shape[-1]
+    def pool_by_seeds(self, normed: torch.Tensor, layout: SummaryLayout) -> torch.Tensor:
+        """PMA: ``normed[L + B*S, d]`` (the normalised stream) -> ``[B, num_seeds, d]``."""
+        batch, d = layout.picks.shape[0], normed.shape[-1]
         h, s = self.num_heads, self.num_seeds
         q = (
             self.query(self.seeds)
@@ -116,28 +143,26 @@ class SequenceSummary(nn.Module):
             .expand(batch, s, h, d // h)
             .reshape(batch * s, h, d // h)
         )
-        k, v = self.key_value(apply_layer_norm(self.kv_norm, history)).view(-1, 2, h, d // h).unbind(1)
-        # max_len may be 0 (every history empty); any bound >= the longest is valid, and 1 keeps the
-        # padded key axis non-empty.
+        k, v = self.key_value(normed).view(-1, 2, h, d // h).unbind(1)
         with profile_region(ATTENTION):
-            pooled = jagged_cross_attention(q, k, v, seed_offsets, offsets, s, max(max_len, 1), activation="softmax")
+            pooled = jagged_cross_attention(
+                q, k, v, layout.seed_offsets, layout.key_offsets, s, layout.max_keys, activation="softmax"
+            )
         return self.seeds + self.pma_out(pooled.reshape(batch, s, d))
 
-    def forward(
-        self,
-        history: torch.Tensor,
-        offsets: torch.Tensor,
-        max_len: int,
-        cls_tokens: torch.Tensor,
-        layout: SummaryLayout | None = None,
-    ) -> torch.Tensor:
-        """``history[L, d]``, ``offsets[B+1]``, ``cls_tokens[B, C, d]`` -> ``[B, C + S + K, d]``; ``layout``: the
-        batch's :class:`SummaryLayout` (built here when None; a model with a summary per layer builds it once)."""
-        layout = layout or SummaryLayout.build(offsets, self.num_seeds, self.num_recent)
-        parts = [cls_tokens]
+    def forward(self, seq: torch.Tensor, layout: SummaryLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq[L + B*S, d]`` (the combined stream) -> ``(seq, summary[B, C + num_seeds + K, d])``.
+
+        The stream comes back through the PMA's norm, whose backward adds the stream's gradient in its own pass;
+        the next block reads the returned stream.
+        """
+        fill = self.recent_fill if self.num_recent else seq.new_zeros(0, seq.shape[-1])
+        fill = torch.cat([fill.new_zeros(layout.num_cls, seq.shape[-1]), fill])
+        picked = gather_rows(seq, layout.picks, layout.pick_valid, fill)
+        parts = [picked[:, : layout.num_cls]]
         if self.num_seeds:
-            parts.append(self.pool_by_seeds(history, offsets, max_len, layout.seed_offsets))
-        if self.num_recent:
-            parts.append(layout.recent.gather(history, self.recent_fill))
+            seq, normed = apply_residual_layer_norm(self.kv_norm, seq, None)
+            parts.append(self.pool_by_seeds(normed, layout))
+        parts.append(picked[:, layout.num_cls :])
         summary = torch.cat(parts, dim=1)
-        return summary * torch.sigmoid(self.gate(summary))
+        return seq, summary * torch.sigmoid(self.gate(summary))

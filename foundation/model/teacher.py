@@ -242,19 +242,6 @@ class GEMTeacher(nn.Module):
             parts.append(candidate_tokens[:, None])
         return torch.cat(parts, dim=1)
 
-    def summarize(
-        self,
-        layer: int,
-        seq: torch.Tensor,
-        layout: SuffixLayout,
-        batch: JaggedBatch,
-        summary_layout: SummaryLayout | None = None,
-    ) -> torch.Tensor:
-        history, suffix = layout.split(seq)
-        return self.summaries[layer](
-            history, batch.offsets, batch.max_len, suffix[:, : self.cfg.num_cls], summary_layout
-        )
-
     def encode(self, batch: JaggedBatch, lookups: Lookups) -> Encoded:
         """Embeddings from the lookups, then the HSTU layers interleaved with the non-sequence arch."""
         num_tokens, b = batch.num_tokens, batch.batch_size
@@ -278,9 +265,12 @@ class GEMTeacher(nn.Module):
         max_len = max(batch.max_len + self.num_suffix, 1)  # a batch of empty histories still has N >= 1
         rows = token_rows(layout.offsets, seq.shape[0]) if self.cfg.interleave else None
         summary = user_tokens.new_zeros(b, 0, self.cfg.d_model)
-        summary_layout = (
-            SummaryLayout.build(batch.offsets, self.cfg.num_pma_seeds, self.cfg.num_recent) if len(self.summaries) else None
-        )
+        summary_layout = None
+        if len(self.summaries):
+            c = self.cfg
+            summary_layout = SummaryLayout.build(
+                batch.offsets, layout, batch.max_len, c.num_cls, c.num_pma_seeds, c.num_recent
+            )
         for layer, block in enumerate(self.blocks):
             branch = None
             if self.cfg.interleave:  # the PFFN's output joins the stream in the block's input norm (one pass)
@@ -289,10 +279,10 @@ class GEMTeacher(nn.Module):
                 seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps, branch=branch
             )
             if self.cfg.interleave and layer < len(self.summaries):
-                summary = self.summarize(layer, seq, layout, batch, summary_layout)
+                seq, summary = self.summaries[layer](seq, summary_layout)
                 user_tokens = self.user_interactions[layer](torch.cat([user_tokens, summary], dim=1))
         if not self.cfg.interleave and len(self.summaries):
-            summary = self.summarize(0, seq, layout, batch, summary_layout)
+            seq, summary = self.summaries[0](seq, summary_layout)
         history, suffix = layout.split(seq)
         return Encoded(
             history, suffix, user_tokens, summary, item_features, history_vectors, candidate_vectors,

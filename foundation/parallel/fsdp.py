@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from foundation.model.interformer import PersonalizedFFN
+from foundation.model.interformer import PersonalizedFFN, SequenceSummary
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -105,11 +105,11 @@ def apply_fsdp(
     dim and shards across the second (HSDP).
     """
     # FSDP2 warns, every step, when a unit returns a view: an in-place op on it would skip the unit's pre-backward
-    # hook. Two views are by design and nothing modifies them in place: the personalised FFN hands its residual
-    # stream on through its norm's autograd op, as a view of its input (that op's backward then adds the stream's
-    # gradient in its own pass; the next block adds to it out of place), and a model's per-task logits are the
-    # columns of one [B, tasks] tensor (the losses read them out of place).
-    for name in {PersonalizedFFN.__name__, type(model).__name__}:
+    # hook. These views are by design and nothing modifies them in place: the personalised FFN and the sequence
+    # summary hand the residual stream on through a norm's autograd op, as a view of its input (that op's backward
+    # then adds the stream's gradient in its own pass; the next block adds to it out of place), and a model's
+    # per-task logits are the columns of one [B, tasks] tensor (the losses read them out of place).
+    for name in {PersonalizedFFN.__name__, SequenceSummary.__name__, type(model).__name__}:
         warnings.filterwarnings(
             "ignore", message=rf"FSDP2-wrapped module \(FSDP{name}\) returned a view", category=UserWarning
         )

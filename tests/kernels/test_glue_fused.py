@@ -253,6 +253,27 @@ def test_deferred_residual_gives_the_blocks_result(backend, monkeypatch):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("num_seeds", [3, 0])
+def test_summary_on_the_stream_runs_on_the_kernels(num_seeds, monkeypatch):
+    """The sequence summary reading the combined stream where it lies (the PMA over 2B key sequences, half of them
+    without queries; the norm passing the stream through) on the Triton attention and glue kernels, against the
+    previous formulation on the references: output, the handed-on stream and every gradient."""
+    from tests.test_fewer_launches import outputs_and_grads, summary_case
+
+    new, old, x = summary_case(num_seeds, 4)
+    monkeypatch.setenv("GEM_GLUE_BACKEND", "pytorch")
+    monkeypatch.setenv("GEM_ATTENTION_BACKEND", "pytorch")
+    want = outputs_and_grads(old, x, False, False)
+    monkeypatch.setenv("GEM_GLUE_BACKEND", "triton")
+    monkeypatch.setenv("GEM_ATTENTION_BACKEND", "triton")
+    got = outputs_and_grads(new, x, False, False)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == want[2].keys()
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_dropout_references_scale_the_kept_elements():
     """With a keep mask, the references are the op without dropout times ``mask / (1 - p)``."""
     g = torch.Generator().manual_seed(1)
