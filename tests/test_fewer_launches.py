@@ -10,7 +10,7 @@ import torch
 from foundation.model.hstu import HSTUBlock
 from foundation.model.interaction import WukongBlock
 from foundation.model.interformer import PersonalizedFFN, SequenceSummary, SummaryLayout
-from foundation.model.jagged import SuffixLayout, last_tokens
+from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
 from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm
 from foundation.model.precision import CastOnce
 from kernels import jagged_cross_attention, jagged_silu_modulate, silu_split
@@ -160,7 +160,8 @@ def summary_before(m: SequenceSummary, seq: torch.Tensor, layout: SuffixLayout, 
         pooled = jagged_cross_attention(q, k, v, seeds, offsets, s, max(max_len, 1), activation="softmax")
         parts.append(m.seeds + m.pma_out(pooled.reshape(batch, s, d)))
     if m.num_recent:
-        parts.append(last_tokens(history, offsets, m.num_recent, m.recent_fill))
+        recent = RecentTokens.build(offsets, m.num_recent)
+        parts.append(gather_rows(history, recent.index, recent.valid, m.recent_fill))
     summary = torch.cat(parts, dim=1)
     return summary * torch.sigmoid(m.gate(summary))
 

@@ -14,7 +14,7 @@ from foundation.model.embeddings import HistoryEmbedding
 from foundation.model.experts import MultiDomainExperts
 from foundation.model.generative import next_item_targets
 from foundation.model.interaction import DCNv2Block, WukongBlock
-from foundation.model.jagged import SuffixLayout, last_tokens
+from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
 from foundation.model.teacher import build_teacher, pairwise_dots
 from foundation.model.teacher_config import TeacherConfig
 from foundation.parallel.balance import take_rows
@@ -221,7 +221,8 @@ def test_suffix_layout_round_trip_and_recent_tokens():
     assert layout.offsets.tolist() == [0, 3, 4, 8]
     back_history, back_suffix = layout.split(combined)
     assert torch.equal(back_history, history) and torch.equal(back_suffix, suffix)
-    recent = last_tokens(history, offsets, 2, torch.full((2, 1), -1.0))
+    two = RecentTokens.build(offsets, 2)
+    recent = gather_rows(history, two.index, two.valid, torch.full((2, 1), -1.0))
     assert recent.squeeze(-1).tolist() == [[0, 1], [-1, -1], [3, 4]]
 
 
@@ -238,7 +239,8 @@ def test_suffix_layout_and_recent_tokens_gradients_match_advanced_indexing():
     assert torch.equal(got_history, combined[layout.history_index])
     assert torch.equal(got_suffix, combined[layout.suffix_index])
     fill = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda h, f: last_tokens(h, offsets, 3, f), (history, fill))
+    three = RecentTokens.build(offsets, 3)
+    torch.autograd.gradcheck(lambda h, f: gather_rows(h, three.index, three.valid, f), (history, fill))
 
 
 def test_pooled_history_means_all_and_clicked_events_per_row():

@@ -46,7 +46,7 @@ def gather_rows(
 
 @dataclass
 class RecentTokens:
-    """Where the ``k`` most recent tokens of every sequence are: built once per batch, gathered at every layer.
+    """Where the ``k`` most recent tokens of every sequence are, oldest first (read with :func:`gather_rows`).
 
     Attributes:
         index: ``[B, k]`` token index of each slot, oldest first (ignored where not valid).
@@ -61,17 +61,6 @@ class RecentTokens:
         index = offsets[1:, None] - k + torch.arange(k, device=offsets.device)
         return cls(index, index >= offsets[:-1, None])
 
-    def gather(self, tokens: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-        """``tokens[L, D]`` -> ``[B, k, D]``; invalid slots hold ``fill`` (``[k, D]`` or ``[D]``)."""
-        return gather_rows(tokens, self.index, self.valid, fill)
-
-
-def last_tokens(tokens: torch.Tensor, offsets: torch.Tensor, k: int, fill: torch.Tensor) -> torch.Tensor:
-    """The ``k`` most recent tokens of every sequence, oldest first: ``[B, k, D]``.
-
-    Slots before the start of a shorter sequence hold ``fill`` (``[k, D]`` or ``[D]``).
-    """
-    return RecentTokens.build(offsets, k).gather(tokens, fill)
 
 
 class PermuteRows(torch.autograd.Function):
