@@ -116,30 +116,37 @@ def _take_target_rows(ds, m_start, n_start, n_hist, dpb_ptr, P_SIZE, BLOCK_M: tl
     return ds
 
 
+# A warp's rows in a dot result's register layout: each warp owns 16 consecutive rows of the tile.
+_WARP_ROWS = tl.constexpr(16)
+
+
 @triton.jit
 def add_position_grad(ds, m_start, n_start, n_hist, dpb_ptr, P_SIZE,
                       HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Adds a ``[queries, keys]`` dS tile (``BLOCK_M >= BLOCK_N``) into the position-table gradient.
+    """Adds a ``[queries, keys]`` dS tile (``BLOCK_M`` a multiple of 16) into the position-table gradient.
 
     History query ``m_start + r`` and key ``n_start + c`` read the entry of distance ``d0 + r - c``
-    (``d0 = m_start - n_start``): each diagonal of the tile reads one entry. Gathering column ``c``
-    at rows ``(r' + c) mod BLOCK_M`` moves the diagonals into rows: row ``r'`` holds distance
-    ``d0 + r'``, or ``d0 + r' - BLOCK_M`` where the index wrapped, so two row sums and two atomics
-    per row replace one atomic per score. Target queries all sit at ``n_hist``, so their distance
+    (``d0 = m_start - n_start``): each diagonal of the tile reads one entry. The tile is cut into groups of
+    16 rows, one warp's rows, and inside each group column ``c`` is gathered at rows ``(r' + c) mod 16``: row
+    ``r'`` of group ``g`` then holds distance ``d0 + 16 (g - w) + r'`` in the columns where ``r' + c``
+    wrapped ``w`` times, so ``BLOCK_N / 16 + 1`` row sums and atomics per row replace one atomic per score.
+    Rotating inside a warp's rows moves data between lanes only, where rotating the whole tile went through
+    shared memory with barriers (docs/benchmarks.md). Target queries all sit at ``n_hist``, so their distance
     depends on the key only: they are summed per key instead.
     """
-    tl.static_assert(BLOCK_M >= BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     if HAS_TARGETS:
         ds = _take_target_rows(ds, m_start, n_start, n_hist, dpb_ptr, P_SIZE, BLOCK_M, BLOCK_N)
-    shift = rows[:, None] + cols[None, :]
-    diagonals = tl.gather(ds, shift % BLOCK_M, 0)
-    wrapped = tl.sum(tl.where(shift >= BLOCK_M, diagonals, 0.0), 1)
-    unwrapped = tl.sum(diagonals, 1) - wrapped
-    distance = m_start - n_start + rows
-    tl.atomic_add(dpb_ptr + tl.minimum(tl.abs(distance), P_SIZE - 1), unwrapped, sem="relaxed")
-    tl.atomic_add(dpb_ptr + tl.minimum(tl.abs(distance - BLOCK_M), P_SIZE - 1), wrapped, sem="relaxed")
+    GROUPS: tl.constexpr = BLOCK_M // _WARP_ROWS
+    tl.static_assert(GROUPS * _WARP_ROWS == BLOCK_M)
+    shift = tl.arange(0, _WARP_ROWS)[None, :, None] + tl.arange(0, BLOCK_N)[None, None, :]
+    index = shift % _WARP_ROWS + tl.zeros((GROUPS, _WARP_ROWS, BLOCK_N), dtype=tl.int32)
+    diagonals = tl.gather(tl.reshape(ds, (GROUPS, _WARP_ROWS, BLOCK_N)), index, 1)
+    wraps = shift // _WARP_ROWS
+    distance = (m_start - n_start + _WARP_ROWS * tl.arange(0, GROUPS)[:, None]
+                + tl.arange(0, _WARP_ROWS)[None, :])
+    for w in tl.static_range((BLOCK_N + _WARP_ROWS - 2) // _WARP_ROWS + 1):
+        sums = tl.sum(tl.where(wraps == w, diagonals, 0.0), 2)
+        tl.atomic_add(dpb_ptr + tl.minimum(tl.abs(distance - _WARP_ROWS * w), P_SIZE - 1), sums, sem="relaxed")
 
 
 @triton.jit

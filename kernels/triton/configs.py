@@ -13,8 +13,9 @@ on the critical path of a run's first steps. A launch therefore takes, in order:
 Each list holds ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; its first entry is the heuristic. The
 biased variants have tiles of their own: the per-score bias work needs registers (tiles chosen by the
 registers and spills of their compiled code, docs/benchmarks.md). The biased dQ pass needs
-``BLOCK_M >= BLOCK_N`` (position gradient) and ``BLOCK_M >= 16 * num_warps`` (one owner per element
-for its scatter, :func:`kernels.triton.bias.scatter_add`).
+``BLOCK_M >= BLOCK_N`` (the deterministic position rows' window) and ``BLOCK_M >= 16 * num_warps`` (one owner
+per element for its scatter, :func:`kernels.triton.bias.scatter_add`; whole 16-row groups for the position
+gradient, :func:`kernels.triton.bias.add_position_grad`).
 """
 
 from __future__ import annotations
