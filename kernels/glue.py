@@ -128,11 +128,16 @@ def residual_layer_norm(
     eps: float,
     *,
     out_dtype: torch.dtype | None = None,
+    picks: torch.Tensor | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """``(x + branch, LN(x + branch).to(out_dtype))``: a block's output added to the residual stream, and the stream's
     norm for the next block, in one pass each way (the Triton backward also adds the stream's own gradient, so a
     stream normalised with no branch, ``branch=None``, saves that add).
+
+    ``picks`` also returns some rows of the sum: their gradient is added into the norm's backward output where it
+    lies, where a separate gather's backward would write a zero gradient of the whole stream, add the rows into it
+    and accumulate it into the stream's.
 
     Args:
         x: ``[..., N]`` the residual stream (float32 under autocast).
@@ -140,11 +145,13 @@ def residual_layer_norm(
         weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
         eps: the LayerNorm epsilon.
         out_dtype: the norm's dtype; None: the sum's.
+        picks: ``[P]`` int64 rows of the sum (over x's leading axes flattened), each in ``[0, M)`` (not checked on
+            the device: that would sync), repeats allowed; or None.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
         ``(sum, norm)``: the sum in x's dtype promoted with the branch's, the norm in ``out_dtype``; differentiable in
-        x, branch, weight and bias.
+        x, branch, weight and bias. With ``picks``, ``(sum, norm, picked[P, N])`` (the sum's dtype).
     """
     _check_norm(x, weight, bias, out_dtype)
     if x.dim() == 0:
@@ -153,8 +160,14 @@ def residual_layer_norm(
         _check_float("branch", branch, x.device)
         if branch.shape != x.shape:
             raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
+    if picks is not None:
+        if not isinstance(picks, torch.Tensor) or picks.dim() != 1 or picks.dtype != torch.int64:
+            raise ValueError(f"picks must be int64 [P], got {getattr(picks, 'dtype', type(picks))} "
+                             f"{tuple(getattr(picks, 'shape', ()))}")
+        if picks.device != x.device:
+            raise ValueError(f"picks is on {picks.device} but x is on {x.device}")
     impl = _norm_impl("residual_layer_norm", backend, x)
-    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype)
+    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype, picks=picks)
 
 
 def jagged_silu_modulate(

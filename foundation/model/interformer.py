@@ -153,16 +153,21 @@ class SequenceSummary(nn.Module):
     def forward(self, seq: torch.Tensor, layout: SummaryLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """``seq[L + B*S, d]`` (the combined stream) -> ``(seq, summary[B, C + num_seeds + K, d])``.
 
-        The stream comes back through the PMA's norm, whose backward adds the stream's gradient in its own pass;
-        the next block reads the returned stream.
+        The stream comes back through the PMA's norm, whose backward adds the stream's gradient and the picked
+        tokens' (CLS and recent) in its own pass; the next block reads the returned stream.
         """
         fill = self.recent_fill if self.num_recent else seq.new_zeros(0, seq.shape[-1])
         fill = torch.cat([fill.new_zeros(layout.num_cls, seq.shape[-1]), fill])
-        picked = gather_rows(seq, layout.picks, layout.pick_valid, fill)
-        parts = [picked[:, : layout.num_cls]]
+        pooled = []
         if self.num_seeds:
-            seq, normed = apply_residual_layer_norm(self.kv_norm, seq, None)
-            parts.append(self.pool_by_seeds(normed, layout))
-        parts.append(picked[:, layout.num_cls :])
+            # The picks come out of the norm that hands the stream on: their gradient joins the stream's there.
+            rows = layout.picks.clamp(0, max(seq.shape[0] - 1, 0)).flatten()
+            seq, normed, picked = apply_residual_layer_norm(self.kv_norm, seq, None, picks=rows)
+            picked = torch.where(layout.pick_valid.unsqueeze(-1), picked.view(*layout.picks.shape, -1),
+                                 fill.to(picked.dtype))
+            pooled.append(self.pool_by_seeds(normed, layout))
+        else:
+            picked = gather_rows(seq, layout.picks, layout.pick_valid, fill)
+        parts = [picked[:, : layout.num_cls], *pooled, picked[:, layout.num_cls :]]
         summary = torch.cat(parts, dim=1)
         return seq, summary * torch.sigmoid(self.gate(summary))

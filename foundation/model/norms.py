@@ -81,12 +81,14 @@ def fused_dropout(dropout: nn.Dropout | None, shape: torch.Size, device: torch.d
 
 
 def apply_residual_layer_norm(
-    norm: nn.LayerNorm | PlainLayerNorm, x: torch.Tensor, branch: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    norm: nn.LayerNorm | PlainLayerNorm, x: torch.Tensor, branch: torch.Tensor | None,
+    picks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """``(x + branch, norm(x + branch))`` (``[..., N]``): a block's output joins the residual stream and the stream is
     normalised for the next block in one pass, the norm in the dtype the next GEMM computes in. ``branch=None``: the
-    stream passes through, and the backward adds its gradient to the norm's in the same pass."""
-    return residual_layer_norm(x, branch, norm.weight, norm.bias, norm.eps, out_dtype=autocast_dtype(x))
+    stream passes through, and the backward adds its gradient to the norm's in the same pass. ``picks[P]``: also the
+    sum's rows ``picks`` (``[P, N]``), their gradient added in that pass too."""
+    return residual_layer_norm(x, branch, norm.weight, norm.bias, norm.eps, out_dtype=autocast_dtype(x), picks=picks)
 
 
 class FusedLayerNorm(nn.LayerNorm):

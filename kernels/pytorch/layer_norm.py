@@ -46,8 +46,10 @@ def residual_layer_norm(
     eps: float,
     *,
     out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, LN(s))`` with ``s = x + branch`` (the residual stream after a block, and its norm for the next one).
+    picks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``(s, LN(s))`` with ``s = x + branch`` (the residual stream after a block, and its norm for the next one);
+    with ``picks``, also ``s``'s rows ``picks`` (over its leading axes flattened), ``[P, N]``.
 
     Args:
         x: ``[..., N]`` the residual stream.
@@ -56,4 +58,7 @@ def residual_layer_norm(
         out_dtype: the norm's dtype; None means the sum's (x's dtype promoted with the branch's).
     """
     total = x if branch is None else x + branch
-    return total, layer_norm(total, weight, bias, eps, out_dtype=out_dtype)
+    normed = layer_norm(total, weight, bias, eps, out_dtype=out_dtype)
+    if picks is None:
+        return total, normed
+    return total, normed, total.reshape(-1, total.shape[-1]).index_select(0, picks)

@@ -15,6 +15,7 @@ branch (a block's output added to the float32 residual stream, normalised for th
 ``s``, then reads it again for the norm; backward, it adds the norm's input gradient to the stream's in a pass of
 its own and casts the sum for the branch in another. Here the norm's backward reads the stream's gradient and
 writes both inputs' gradients. Without a branch the stream passes through and only that gradient add is saved.
+Rows of the sum it also returns (``picks``) get their gradient added into the backward's fresh ``dx`` in place.
 
 Forward: one program per row, the whole row in one ``BLOCK_N`` tile (``N`` up to 16,384).
 Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -208,26 +209,37 @@ class _LayerNormFn(torch.autograd.Function):
 
 class _ResidualLayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, branch, weight, bias, eps, out_dtype):
+    def forward(ctx, x, branch, weight, bias, eps, out_dtype, picks):
         s2, _, y, mean, rstd = _forward(x, weight, bias, None, branch, 1.0, eps, out_dtype)
-        ctx.save_for_backward(s2, weight, bias, mean, rstd)
+        ctx.save_for_backward(s2, weight, bias, mean, rstd, picks)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, branch.dtype if branch is not None else None)
         ctx.set_materialize_grads(False)
         # Without a branch the stream passes through (a view of x): its gradient still arrives here.
         stream = x.view_as(x) if branch is None else s2.view(x.shape)
-        return stream, y.view(x.shape)
+        if picks is None:
+            return stream, y.view(x.shape)
+        return stream, y.view(x.shape), s2.index_select(0, picks)
 
     @staticmethod
-    def backward(ctx, ds, dy):
-        s2, weight, bias, mean, rstd = ctx.saved_tensors
+    def backward(ctx, ds, dy, dpicked=None):
+        s2, weight, bias, mean, rstd, picks = ctx.saved_tensors
         x_dtype, branch_dtype = ctx.dtypes
-        if dy is None:  # the norm's output unused: the sum's gradient is both inputs'
-            return ds.to(x_dtype), ds.to(branch_dtype) if branch_dtype else None, None, None, None, None
-        dx, dr, grad_w, grad_b, _ = _backward(
-            dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype
-        )
+        if dy is None and dpicked is None:  # the norm's output unused: the sum's gradient is both inputs'
+            return ds.to(x_dtype), ds.to(branch_dtype) if branch_dtype else None, None, None, None, None, None
+        if dy is None:
+            dx = (ds.to(x_dtype, copy=True, memory_format=torch.contiguous_format) if ds is not None
+                  else s2.new_zeros(ctx.shape, dtype=x_dtype))
+            dr = dx.to(branch_dtype, copy=True) if branch_dtype else None
+            grad_w = grad_b = None
+        else:
+            dx, dr, grad_w, grad_b, _ = _backward(
+                dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype
+            )
+        for grad in (dx, dr):
+            if grad is not None and dpicked is not None:
+                grad.view(-1, grad.shape[-1]).index_add_(0, picks, dpicked.to(grad.dtype))
         dr = dr.view(ctx.shape) if dr is not None else None
-        return dx.to(x_dtype).view(ctx.shape), dr, grad_w, grad_b, None, None
+        return dx.to(x_dtype).view(ctx.shape), dr, grad_w, grad_b, None, None, None
 
 
 def _num_warps(block_n: int) -> int:
@@ -240,7 +252,7 @@ def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None, dr
     return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype, dropout_mask, float(dropout_p))
 
 
-def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None):
+def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None, picks=None):
     """Same contract as :func:`kernels.pytorch.layer_norm.residual_layer_norm` (``N <= MAX_N``)."""
     total = torch.promote_types(x.dtype, branch.dtype) if branch is not None else x.dtype
-    return _ResidualLayerNormFn.apply(x, branch, weight, bias, float(eps), out_dtype or total)
+    return _ResidualLayerNormFn.apply(x, branch, weight, bias, float(eps), out_dtype or total, picks)

@@ -205,6 +205,33 @@ def test_residual_layer_norm_only_the_sum_used():
     assert weight.grad is None and bias.grad is None
 
 
+@pytest.mark.parametrize("with_branch", [True, False])
+@pytest.mark.parametrize("norm_used", [True, False])
+def test_residual_layer_norm_picks_rows_whose_gradient_joins_the_stream_s(with_branch, norm_used):
+    """Picked rows of the sum (repeats included) against the reference's gather: values and every gradient, with
+    the stream read downstream too; the picked rows' gradients must reach x and the branch."""
+    picks = torch.tensor([3, 0, 7, 3, 10])
+    results = {}
+    for backend in ("pytorch", "triton"):
+        x, branch, weight, bias, g = _residual_case(11, 24, torch.float16, seed=5)
+        branch = branch if with_branch else None
+        total, normed, picked = residual_layer_norm(x * 1, branch, weight, bias, 1e-5, picks=picks, backend=backend)
+        loss = (total * torch.randn(11, 24, generator=g)).sum() + (picked * torch.randn(5, 24, generator=g)).sum()
+        if norm_used:
+            loss = loss + (normed * torch.randn(11, 24, generator=g)).sum()
+        loss.backward()
+        grads = [t.grad for t in (x, branch, weight, bias) if t is not None]
+        results[backend] = (picked.detach(), grads)
+    (ref_picked, ref_grads), (picked, grads) = results["pytorch"], results["triton"]
+    torch.testing.assert_close(picked, ref_picked, rtol=0, atol=0)
+    assert len(grads) == len(ref_grads)
+    for a, b in zip(grads, ref_grads, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        torch.testing.assert_close(a, b, **_tol(torch.float16))
+
+
 def test_residual_layer_norm_rejects_bad_input():
     x = torch.randn(3, 8)
     with pytest.raises(ValueError, match="branch must have"):
@@ -215,6 +242,8 @@ def test_residual_layer_norm_rejects_bad_input():
         residual_layer_norm(x, x.long(), torch.ones(8), torch.zeros(8), 1e-5)
     with pytest.raises(ValueError, match="out_dtype"):
         residual_layer_norm(x, x, torch.ones(8), torch.zeros(8), 1e-5, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="picks must be int64"):
+        residual_layer_norm(x, x, torch.ones(8), torch.zeros(8), 1e-5, picks=torch.tensor([0.5]))
 
 
 @pytest.mark.parametrize("backend", ["pytorch", "triton"])
