@@ -166,7 +166,7 @@ def summary_before(m: SequenceSummary, seq: torch.Tensor, layout: SuffixLayout, 
     return summary * torch.sigmoid(m.gate(summary))
 
 
-def summary_case(num_seeds: int, num_recent: int):
+def summary_case(num_seeds: int, num_recent: int, num_cls: int = 2):
     """A summary module, a batch (an empty history, histories shorter and longer than ``num_recent``; CLS and
     candidate suffix tokens) and the two formulations as :class:`Call` s of the stream ``x[L + B*S, d]``, each
     giving the summary and the stream it hands on, flattened into one output."""
@@ -175,7 +175,7 @@ def summary_case(num_seeds: int, num_recent: int):
     with torch.no_grad():
         if num_recent:
             module.recent_fill.normal_()
-    lengths, num_cls, num_suffix = [5, 0, 2, 9], 2, 3
+    lengths, num_suffix = [5, 0, 2, 9], 3
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     layout = SuffixLayout.build(offsets, sum(lengths), num_suffix)
     summary_layout = SummaryLayout.build(offsets, layout, max(lengths), num_cls, num_seeds, num_recent)
@@ -191,10 +191,12 @@ def summary_case(num_seeds: int, num_recent: int):
     return Call(module, new), Call(module, old), x
 
 
-@pytest.mark.parametrize(("num_seeds", "num_recent"), [(3, 4), (3, 0), (0, 4)])
+# (3, 0, 0): seeds only, nothing picked from the stream.
+@pytest.mark.parametrize(("num_seeds", "num_recent", "num_cls"), [(3, 4, 2), (3, 0, 2), (0, 4, 2), (3, 0, 0)])
 @pytest.mark.parametrize(("autocast", "cast_once"), [(False, False), (True, False), (True, True)])
-def test_sequence_summary_on_the_stream_equals_its_previous_formulation(autocast, cast_once, num_seeds, num_recent):
-    new, old, x = summary_case(num_seeds, num_recent)
+def test_sequence_summary_on_the_stream_equals_its_previous_formulation(autocast, cast_once, num_seeds, num_recent,
+                                                                        num_cls):
+    new, old, x = summary_case(num_seeds, num_recent, num_cls)
     assert_same(outputs_and_grads(new, x, autocast, cast_once), outputs_and_grads(old, x, autocast, False), autocast)
 
 

@@ -163,7 +163,7 @@ class SequenceSummary(nn.Module):
             # The picks come out of the norm that hands the stream on: their gradient joins the stream's there.
             rows = layout.picks.clamp(0, max(seq.shape[0] - 1, 0)).flatten()
             seq, normed, picked = apply_residual_layer_norm(self.kv_norm, seq, None, picks=rows)
-            picked = torch.where(layout.pick_valid.unsqueeze(-1), picked.view(*layout.picks.shape, -1),
+            picked = torch.where(layout.pick_valid.unsqueeze(-1), picked.view(*layout.picks.shape, seq.shape[-1]),
                                  fill.to(picked.dtype))
             pooled.append(self.pool_by_seeds(normed, layout))
         else:
