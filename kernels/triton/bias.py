@@ -16,7 +16,7 @@ score and table (4.3e9 per layer at N=4,096, B=32, H=8) was what made the biased
 - position: the entry depends on the tile's diagonal only, so the tile's dS is reduced to diagonal
   sums (:func:`add_position_grad`): a few atomics per diagonal instead of one per score;
 - time: along a row of a tile the bucket changes rarely except near the diagonal, so each row's
-  two most common buckets are summed first, and go in by runs of rows (:func:`add_time_grad`); only
+  two most common buckets are summed first, one atomic per row each (:func:`add_time_grad`); only
   the other scores add themselves.
 
 Both are exact for any positions and times (not only sorted ones); only the float summation order
@@ -174,30 +174,15 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _add_by_runs(table, bucket, following, value, BLOCK_M: tl.constexpr):
-    """``table[bucket[r]] += value[r]`` for the rows of a tile, one atomic per run of equal buckets.
-
-    Abel summation: ``sum_r v_r e_b(r) = sum_r C_r (e_b(r) - e_b(r+1)) + C_last e_b(last)`` with ``C``
-    the running sum, exact for any buckets; its terms vanish inside a run, and rows hold runs (a
-    tile's rows are consecutive queries, whose reference buckets change rarely for times in order).
-    ``following[r]`` is the bucket of row ``r + 1``; negative buckets (no entry) take no atomic.
-    """
-    last = tl.arange(0, BLOCK_M) == BLOCK_M - 1
-    running = tl.cumsum(value, 0)
-    edge = (bucket != following) | last
-    tl.atomic_add(table + tl.maximum(bucket, 0), running, mask=edge & (bucket >= 0), sem="relaxed")
-    tl.atomic_add(table + tl.maximum(following, 0), -running, mask=edge & ~last & (following >= 0), sem="relaxed")
-
-
-@triton.jit
-def add_time_grad(ds, bucket, bucket_ref, bucket_ref_next, dtb_ptr, PTX: tl.constexpr, BLOCK_M: tl.constexpr):
+def add_time_grad(ds, bucket, bucket_ref, dtb_ptr, PTX: tl.constexpr):
     """Adds a ``[queries, keys]`` dS tile into the time-table gradient.
 
     Along a row of a tile the time difference spans a narrow range except near the diagonal, so a
     row's scores mostly fall in its reference bucket ``bucket_ref`` (that of its first key, the
-    largest difference for times in order) or the one below: those two are summed per row, and the
-    row sums go in by runs of rows (:func:`_add_by_runs`; ``bucket_ref_next`` is the next row's
-    reference); only the other scores add themselves. Exact for any times and any reference.
+    largest difference for times in order) or the one below: those two are summed per row and go in
+    by one atomic per row each; only the other scores add themselves. Exact for any times and any
+    reference. (Summing the rows' sums by runs of equal buckets first, a scan across warps, cost more
+    than the atomics it saved: docs/benchmarks.md.)
     """
     ref = bucket_ref[:, None]
     in_ref = bucket == ref
@@ -207,8 +192,8 @@ def add_time_grad(ds, bucket, bucket_ref, bucket_ref_next, dtb_ptr, PTX: tl.cons
     ref_sum, below_sum, n_outside = tl.reduce(
         (tl.where(in_ref, ds, 0.0), tl.where(in_below, ds, 0.0), tl.where(outside, 1.0, 0.0)), 1, _add3
     )
-    _add_by_runs(dtb_ptr, bucket_ref, bucket_ref_next, ref_sum, BLOCK_M)
-    _add_by_runs(dtb_ptr, bucket_ref - 1, bucket_ref_next - 1, below_sum, BLOCK_M)
+    tl.atomic_add(dtb_ptr + bucket_ref, ref_sum, sem="relaxed")
+    tl.atomic_add(dtb_ptr + tl.maximum(bucket_ref - 1, 0), below_sum, mask=bucket_ref > 0, sem="relaxed")
     # Far from the diagonal no score is outside, and the tile skips the per-score atomics.
     if tl.max(n_outside, 0) > 0:
         scatter_add(dtb_ptr, bucket, ds, outside, PTX)

@@ -319,7 +319,7 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_dq_tiles(
     dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
-    ts_m_next, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
+    lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
     m_start, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
@@ -363,8 +363,7 @@ def _bwd_dq_tiles(
                 # The reference bucket of each row: its first key's, the largest time difference in order.
                 ts_first = tl.load(ts_base + start_n)
                 ref = time_bucket(ts_m - ts_first, T_SIZE, PTX)
-                ref_next = time_bucket(ts_m_next - ts_first, T_SIZE, PTX)
-                add_time_grad(ds, bucket, ref, ref_next, dtb_ptr, PTX, BLOCK_M)
+                add_time_grad(ds, bucket, ref, dtb_ptr, PTX)
     return dq, win_lo, win_hi, time_acc
 
 
@@ -399,8 +398,6 @@ def _bwd_dq_kernel(
         lse = tl.zeros([BLOCK_M], dtype=tl.float32)
         delta = lse
     ts_m = tl.load(QTS + q_start + offs_m, mask=q_ok, other=0) if HAS_TB else offs_m
-    # The next row's query time, for the runs of the time-table gradient (kernels/triton/bias.py).
-    ts_m_next = tl.load(QTS + q_start + offs_m + 1, mask=offs_m + 1 < q_len, other=0) if HAS_TB else offs_m
     k_base = K + kv_start * stride_km + h * stride_kh
     v_base = V + kv_start * stride_vm + h * stride_vh
     ts_base = TS + kv_start
@@ -424,14 +421,14 @@ def _bwd_dq_kernel(
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
-        ts_m_next, lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+        lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
         BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
-        ts_m_next, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+        tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
         BLOCK_N, DETERMINISTIC, BLOCK_T,
