@@ -27,7 +27,7 @@ stored histories of up to 1,024 events; teacher sizes of the ``small`` recipe (`
 itself) widened and deepened to ~40x its FLOPs per example, DLRM sizes of the ``default`` flavor (``d32`` is it)
 widened; seeds 0, 1, 2. Every run reads 1,024 history events, trains ``steps`` steps of ``batch_rows`` rows (one
 pass over that many distinct rows, a fraction of the train split: no row is seen twice, so neither family
-memorises), then scores the valid and the test split once.
+memorises; ``data-passes`` alone reads the whole split twice), then scores the valid and the test split once.
 
 - ``scaling``, the first sweep (2026-12-01): 1,200 steps of 256 rows at the flavors' constant rates, float32,
   through :mod:`experiments.teacher_vs_baseline` (``--epochs`` > 1 repeats that on fresh rows and reports the
@@ -50,6 +50,12 @@ memorises), then scores the valid and the test split once.
 - ``data4x``: the next test of why ``w128`` trails ``w64`` at 614k rows (short of data, as ``w256`` was at 307k?):
   ``w32``, ``w64``, ``w128-l3`` and the DLRM's ``d128`` and ``d2048`` on four times ``recent``'s rows (2,400 steps,
   1.2M of the 1.6M train rows, one pass), 3 seeds; three calls.
+- ``data-passes``: ``data4x``'s sizes, seeds and recipe on the WHOLE train split read twice (``--passes 2`` of
+  :mod:`experiments.scaling_run`, each pass reshuffled): 6,254 steps of 512 = 2 x ceil(1,600,557 / 512), 3.2M rows
+  per run, half of them read a second time. Its steps are computed for that split (``Plan.split_rows``): a world
+  with another train split is refused. The teacher keeps dropout 0 (the one-pass recipe), so its second pass may
+  memorise; the curve's train loss is held out in the first pass only. Six calls (``--shard I/6``, 2-3 runs each:
+  a run alone is estimated at 360-420 s, so the world must already be on the machine, e.g. from a ``plan`` call).
 
 **Runs.** Each is a runner process (``OMP_NUM_THREADS=1``, ``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not
 autotune against each other's load), ``--parallel`` (else the plan's ``parallel``, else all of a shard) at once,
@@ -183,7 +189,10 @@ class Plan:
     of the plan each of ``len(shard_weights)`` calls takes by default. The sizes named in ``duel`` (``<family>-<size>``)
     also run on ``duel_seeds``: more seeds where two families' best sizes are compared. ``reruns`` names runs
     (``<family>-<size>.s<seed>``) of another plan on the same world that its call cut by time, run again here (the
-    sizes among ``sizes``); :func:`combine` keeps the complete one.
+    sizes among ``sizes``); :func:`combine` keeps the complete one. ``passes`` (under a schedule): passes over
+    the train split each run may make (``--passes`` of :mod:`experiments.scaling_run`); 1 reads no row twice.
+    ``split_rows`` (0: none): the train split's rows that ``steps`` was computed for (``passes`` whole passes),
+    checked against the world by :func:`check_rows`.
     """
 
     name: str
@@ -203,10 +212,12 @@ class Plan:
     duel: tuple[str, ...] = ()
     duel_seeds: tuple[int, ...] = ()
     reruns: tuple[str, ...] = ()
+    passes: int = 1
+    split_rows: int = 0
 
     @property
     def train_rows(self) -> int:
-        """Rows each run trains on (every one read once)."""
+        """Rows each run trains on (every one read once when ``passes`` is 1)."""
         return self.steps * self.batch_rows
 
 
@@ -478,6 +489,29 @@ def data4x_plan() -> Plan:
     )
 
 
+# The train rows of the plans' 2M-impression world (the `default` and the `sequential` preset alike: 1,600,557 /
+# 199,730 / 199,713 train / valid / test rows in every regeneration, docs/benchmarks.md).
+WORLD_TRAIN_ROWS = 1_600_557
+
+
+def data_passes_plan() -> Plan:
+    """``data4x``'s sizes and recipe on the whole train split, twice: 2 x ceil(train rows / 512) steps of 512 rows
+    over two passes (``--passes 2``, each reshuffled), the schedule over all of them. Seeds 0-2; six calls of 2-3
+    runs (``data4x``'s calls of 5 runs took about twice their estimate; here a run alone is estimated at 360-420 s)."""
+    data4x = data4x_plan()
+    passes = 2
+    steps = passes * math.ceil(WORLD_TRAIN_ROWS / data4x.batch_rows)
+    return dataclasses.replace(
+        data4x,
+        name="data-passes",
+        steps=steps,
+        passes=passes,
+        split_rows=WORLD_TRAIN_ROWS,
+        label=data4x.label.replace("1229k rows", f"{passes} passes over the {WORLD_TRAIN_ROWS / 1000:.0f}k train rows"),
+        shard_weights=(1.0,) * 6,
+    )
+
+
 def dry_plan() -> Plan:
     """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
     steps."""
@@ -508,7 +542,7 @@ def dry_plan() -> Plan:
 PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "recent": recent_plan,
                                         "recent-data": recent_data_plan, "data2x": data2x_plan,
                                         "data2x-seeds": data2x_seeds_plan, "data2x-w128": data2x_w128_plan,
-                                        "data4x": data4x_plan, "dry": dry_plan}
+                                        "data4x": data4x_plan, "data-passes": data_passes_plan, "dry": dry_plan}
 
 
 def build_plan(name: str, preset: str | None = None) -> Plan:
@@ -619,10 +653,18 @@ def estimate(plan: Plan, world_dir: Path) -> dict[str, dict]:
 
 
 def check_rows(plan: Plan, world_dir: Path) -> None:
-    """Refuse a plan whose runs would read train rows twice (more rows than the world's train split)."""
+    """Refuse a plan whose runs would read train rows twice (one pass: more rows than the world's train split) or
+    run out of them (``passes`` passes: more steps than ``passes`` times a pass's batches), and one whose steps
+    were computed for another train split (``split_rows``)."""
     have = world_facts(world_dir)["rows"]["train"]
-    if plan.train_rows > have:
-        raise ValueError(f"plan {plan.name}: each run trains {plan.train_rows} rows, {world_dir} has {have} train rows")
+    if plan.split_rows and have != plan.split_rows:
+        raise ValueError(f"plan {plan.name}: its {plan.steps} steps are {plan.passes} passes over {plan.split_rows} "
+                         f"train rows, {world_dir} has {have} train rows")
+    most = have if plan.passes == 1 else plan.passes * math.ceil(have / plan.batch_rows) * plan.batch_rows
+    if plan.train_rows > most:
+        passes = f" (at most {plan.passes} passes)" if plan.passes > 1 else ""
+        raise ValueError(f"plan {plan.name}: each run trains {plan.train_rows} rows, {world_dir} has {have} train "
+                         f"rows{passes}")
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -685,12 +727,16 @@ def run_command(run: Run, world_dir: Path, result: Path, plan: Plan, budget: flo
     common = ["--data", str(world_dir), "--flavor", run.size.flavor, "--seed", str(run.seed),
               "--time-budget", f"{budget:.0f}", "--json", str(result)]
     if plan.schedule is None:
+        if plan.passes != 1:
+            raise ValueError(f"plan {plan.name}: passes={plan.passes} needs a schedule (experiments.scaling_run)")
         command = [sys.executable, "-m", "experiments.teacher_vs_baseline", *common, "--epochs", str(args.epochs),
                    "--max-steps", str(plan.steps)]
     else:
         command = [sys.executable, "-m", "experiments.scaling_run", *common, "--steps", str(plan.steps),
                    "--warmup-steps", str(plan.schedule.warmup_steps(plan.steps)),
                    "--final-lr-frac", f"{plan.schedule.final_frac:g}"]
+        if plan.passes != 1:
+            command += ["--passes", str(plan.passes)]
         if run.size.lr is not None:
             command += ["--lr", repr(run.size.lr)]
     if args.device:
@@ -796,6 +842,7 @@ def run_row(proc: Process, killed: bool, domains: list[str]) -> dict:
     )
     if "schedule" in result:  # experiments.scaling_run: the peak rate, why it stopped, the train-loss curve
         row.update(lr=result["schedule"]["lr"], stopped_by=result["stopped_by"],
+                   passes_started=result.get("passes_started", 1),
                    curve=[{k: c[k] for k in ("end_step", "loss", "lr")} for c in result["curve"]])
     return row
 

@@ -7,21 +7,28 @@ Usage (``experiments.compute_scaling`` starts one process per run)::
         model.teacher.d_model=256 train.precision=bf16-mixed data.batch_size=512
 
 Any flavor of :mod:`gem.flavors` (dotted overrides after the options) trains ``--steps`` steps over the train
-split (one pass: no row is read twice when ``steps x batch rows`` is at most the split) with the harness's
-step (:func:`gem.loop.train_epoch`: AdamW, ``train.weight_decay``, clipping at ``train.grad_clip``, bf16 autocast
-when ``train.precision`` is ``bf16-mixed``). The learning rate follows :class:`WarmupCosine` from ``--lr`` (default
-the flavor's ``train.lr``): linear warm-up over ``--warmup-steps``, then a cosine down to ``--final-lr-frac`` of
-the peak at the end of the run. The end is ``--steps`` or ``--time-budget`` seconds after training began, whichever
-comes first (the schedule's progress is the larger of the two fractions; the time fraction counts from the first
-optimizer step, after the first forward and backward have compiled the kernels), so a run that its budget cuts
-still ends at the bottom of its decay and is scored as a finished run, at the FLOPs it trained. ``--final-lr-frac 1`` with no warm-up
-is the constant rate of :mod:`experiments.teacher_vs_baseline`.
+split, in up to ``--passes`` passes over it (default 1: no row is read twice, and ``steps x batch rows`` at most the
+split reads a part of it once). When one pass's batches run out the next pass begins, its rows reshuffled
+(``EventStream.set_epoch(p)`` for pass ``p``), so with ``--passes N`` a run can train up to N times the split's rows;
+from the second pass on every row it reads has been read before. ``--steps`` stays the run's total optimizer steps
+(the schedule's length) whatever the passes. Each step is the harness's (:func:`gem.loop.train_epoch`: AdamW,
+``train.weight_decay``, clipping at ``train.grad_clip``, bf16 autocast when ``train.precision`` is ``bf16-mixed``).
+The learning rate follows :class:`WarmupCosine` from ``--lr`` (default the flavor's ``train.lr``): linear warm-up
+over ``--warmup-steps``, then a cosine down to ``--final-lr-frac`` of the peak at the end of the run. The end is
+``--steps`` or ``--time-budget`` seconds after training began, whichever comes first (the schedule's progress is the
+larger of the two fractions; the time fraction counts from the first optimizer step, after the first forward and
+backward have compiled the kernels), so a run that its budget cuts still ends at the bottom of its decay and is
+scored as a finished run, at the FLOPs it trained. ``--final-lr-frac 1`` with no warm-up is the constant rate of
+:mod:`experiments.teacher_vs_baseline`.
 
 Then valid and test are scored once (under the training autocast); the JSON has the format of
-:mod:`experiments.teacher_vs_baseline` (one "epoch" in ``history``, ``best_epoch`` 0) plus ``schedule``,
-``stopped_by`` (``steps``, ``time`` or ``data``: the split ran out) and ``curve``: about ``--curve-points`` spans
-of the run, each with its steps, rows, mean train loss (every row read once, so it is the loss on rows the model
-has not seen), the learning rate at its end and its TFLOP/s.
+:mod:`experiments.teacher_vs_baseline` (one "epoch" in ``history``, ``best_epoch`` 0) plus ``schedule`` (with
+``passes``), ``stopped_by`` (``steps``, ``time`` or ``data``: all ``--passes`` passes over the split ran out),
+``passes`` (requested), ``passes_started`` (how many were begun: their first batch read) and ``curve``: about
+``--curve-points`` spans of the run (a span may straddle two passes), each with its steps, rows, mean train loss,
+the learning rate at its end, its TFLOP/s and ``pass``, the pass (1-based) its last batch came from. In the first
+pass every row is read once, so a span's train loss is the loss on rows the model has not seen (a held-out loss);
+from the second pass on the rows have been trained on before and the curve's loss is no longer held out.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +48,7 @@ import torch
 from experiments.teacher_vs_baseline import predict_split, recalibrate
 from foundation.config import apply_overrides
 from foundation.data.io import atomic_write_text
-from foundation.data.pipeline import EventStream, build_dataloader
+from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import EventSchema
 from gem.flavors import get_flavor
 from gem.loop import autocast, train_epoch
@@ -120,10 +127,32 @@ class ScheduledLR:
         return self.schedule.progress(self.steps, self.time_fraction()) >= 1.0
 
 
+class Passes:
+    """The batches of up to ``passes`` passes over ``stream``, one after the other: pass ``p`` (0-based) calls
+    ``stream.set_epoch(p)`` (its own shuffle) and builds its own loader when the previous pass has run out.
+
+    ``started`` counts the passes begun (a pass begins when its loader is asked for its first batch), so after
+    a batch was taken it is the 1-based pass that batch came from.
+    """
+
+    def __init__(self, stream: EventStream, cfg: DataConfig, passes: int) -> None:
+        self.stream, self.cfg, self.passes = stream, cfg, passes
+        self.started = 0
+
+    def __iter__(self) -> Iterator:
+        for epoch in range(self.passes):
+            self.stream.set_epoch(epoch)
+            self.started = epoch + 1
+            yield from build_dataloader(self.stream, self.cfg)
+
+
 def train_spans(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, scheduled: ScheduledLR, *,
                 steps: int, span: int, grad_clip: float, autocast_dtype: torch.dtype | None) -> tuple[list[dict], str]:
     """:func:`gem.loop.train_epoch` over ``batches`` in spans of ``span`` steps until ``scheduled`` finishes or
-    the batches run out; returns one record per span and why training stopped (``steps``, ``time``, ``data``)."""
+    the batches run out; returns one record per span and why training stopped (``steps``, ``time``, ``data``).
+
+    One iterator serves every span, so with :class:`Passes` a span runs on across a pass boundary; its record's
+    ``pass`` is the pass its last batch came from (``batches.started``; 1 for batches without passes)."""
     iterator, curve, done = iter(batches), [], 0
     while not scheduled.finished():
         began = time.perf_counter()
@@ -132,7 +161,8 @@ def train_spans(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batche
         if record["steps"] == 0:
             return curve, "time" if scheduled.finished() else "data"
         done += record["steps"]
-        curve.append({**record, "end_step": done, "lr": scheduled.last_lr, "seconds": time.perf_counter() - began})
+        curve.append({**record, "end_step": done, "lr": scheduled.last_lr, "seconds": time.perf_counter() - began,
+                      "pass": getattr(batches, "started", 1)})
     return curve, "steps" if done >= steps else "time"
 
 
@@ -154,6 +184,8 @@ def summarize_spans(curve: list[dict]) -> dict:
 def run(args: argparse.Namespace) -> dict:
     if args.time_budget < 0 or args.curve_points < 1:
         raise ValueError(f"--time-budget {args.time_budget:g} must be >= 0 and --curve-points {args.curve_points} >= 1")
+    if args.passes < 1:
+        raise ValueError(f"--passes {args.passes} must be >= 1")
     cfg = apply_overrides(
         get_flavor(args.flavor), [*args.overrides, f"data.path={args.data}", f"train.seed={args.seed}"]
     )
@@ -169,8 +201,9 @@ def run(args: argparse.Namespace) -> dict:
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
     start = time.perf_counter()
     scheduled = ScheduledLR(optimizer, schedule, start + args.time_budget if args.time_budget > 0 else None)
+    passes = Passes(stream, cfg.data, args.passes)
     curve, stopped_by = train_spans(
-        model, optimizer, build_dataloader(stream, cfg.data), scheduled, steps=args.steps,
+        model, optimizer, passes, scheduled, steps=args.steps,
         span=max(1, math.ceil(args.steps / args.curve_points)), grad_clip=cfg.train.grad_clip, autocast_dtype=dtype,
     )
     scheduled.handle.remove()
@@ -185,7 +218,8 @@ def run(args: argparse.Namespace) -> dict:
     record["test"] = test.metrics(schema.num_domains)
     record["test_recalibrated"] = recalibrate(valid, test, schema.num_domains).metrics(schema.num_domains)
     print(json.dumps({k: record[k] for k in ("steps", "rows", "loss", "tflops_per_s", "elapsed_s")}
-                     | {"stopped_by": stopped_by, "valid_click_ne": record["valid"].get("click/ne"),
+                     | {"stopped_by": stopped_by, "passes_started": passes.started,
+                        "valid_click_ne": record["valid"].get("click/ne"),
                         "test_click_ne": record["test"].get("click/ne")}), flush=True)
     result = {
         "flavor": args.flavor,
@@ -199,9 +233,13 @@ def run(args: argparse.Namespace) -> dict:
         "train_flops_at_best": record["flops"],
         "flops_per_example": record["flops"] / max(record["rows"], 1),
         "config": cfg.to_dict(),
-        "schedule": {**dataclasses.asdict(schedule), "time_budget": args.time_budget},
+        "schedule": {**dataclasses.asdict(schedule), "time_budget": args.time_budget, "passes": args.passes,
+                     "passes_started": passes.started},
         "stopped_by": stopped_by,
-        "curve": [{k: c[k] for k in ("end_step", "rows", "loss", "lr", "tflops_per_s", "seconds")} for c in curve],
+        "passes": args.passes,
+        "passes_started": passes.started,
+        "curve": [{k: c[k] for k in ("end_step", "rows", "loss", "lr", "tflops_per_s", "seconds", "pass")}
+                  for c in curve],
         "best_epoch": 0,
         "test": record["test"],
         "test_recalibrated": record["test_recalibrated"],
@@ -222,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--final-lr-frac", type=float, default=1.0, help="the rate at the end, as a fraction of --lr")
     parser.add_argument("--time-budget", type=float, default=0.0, help="seconds of training at most (0: none)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="passes over the train split at most, each reshuffled (--steps stays the run's length)")
     parser.add_argument("--curve-points", type=int, default=16, help="spans of the run the train loss is recorded over")
     parser.add_argument("--eval-batch-size", type=int, default=1024)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

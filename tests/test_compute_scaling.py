@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import tarfile
 import time
 
@@ -16,6 +17,7 @@ from experiments import scaling_run, teacher_vs_baseline
 from experiments.compute_scaling import (
     FAMILIES,
     PLANS,
+    WORLD_TRAIN_ROWS,
     Run,
     build_parser,
     check_rows,
@@ -261,6 +263,40 @@ def test_data4x_plan_reads_four_times_the_third_sweeps_rows_once():
     }
 
 
+def test_data_passes_plan_reads_the_whole_split_twice(tmp_path):
+    plan, data4x = PLANS["data-passes"](), PLANS["data4x"]()
+    assert plan.steps == 2 * math.ceil(WORLD_TRAIN_ROWS / 512) == 6254 and plan.batch_rows == 512
+    assert plan.passes == 2 and plan.split_rows == WORLD_TRAIN_ROWS and data4x.passes == 1
+    assert 2 * WORLD_TRAIN_ROWS <= plan.train_rows < 2 * WORLD_TRAIN_ROWS + 2 * 512
+    assert plan.world == data4x.world and plan.sizes == data4x.sizes and plan.seeds == (0, 1, 2)
+    assert plan.schedule == data4x.schedule and "2 passes over the 1601k train rows" in plan.label
+    assert "1229k" not in plan.label and plan.label != data4x.label
+    assert [r.name for r in plan_runs(plan)] == [r.name for r in plan_runs(data4x)]  # 5 sizes x 3 seeds
+    args = build_parser().parse_args(["run", "--plan", "data-passes", "--world", "w", "--out", "o"])
+    for run in plan_runs(plan):
+        command = run_command(run, tmp_path, tmp_path / "r.json", plan, 300.0, args)
+        assert command[command.index("--passes") + 1] == "2" and command[command.index("--steps") + 1] == "6254"
+        parsed = scaling_run.build_parser().parse_intermixed_args(command[3:])
+        assert parsed.passes == 2 and parsed.steps == 6254 and parsed.warmup_steps == round(0.05 * 6254)
+    # One pass stays the runner's default: the other plans' commands are as they were.
+    assert "--passes" not in run_command(plan_runs(data4x)[0], tmp_path, tmp_path / "r.json", data4x, 300.0, args)
+
+
+def test_passes_are_checked_against_the_world(dry):
+    tmp, summary = dry
+    have = summary["world"]["rows"]["train"]
+    plan = PLANS["dry"]()
+    whole = math.ceil(have / plan.batch_rows)
+    twice = dataclasses.replace(plan, steps=2 * whole, passes=2, split_rows=have)
+    check_rows(twice, tmp / "world")  # the whole split, twice (the last batch of each pass short)
+    with pytest.raises(ValueError, match=rf"trains \d+ rows, .* has {have} train rows \(at most 2 passes\)"):
+        check_rows(dataclasses.replace(twice, steps=2 * whole + 1), tmp / "world")
+    with pytest.raises(ValueError, match=rf"2 passes over {have + 1} train rows, .* has {have} train rows"):
+        check_rows(dataclasses.replace(twice, split_rows=have + 1), tmp / "world")
+    with pytest.raises(ValueError, match="trains"):  # one pass reads no row twice
+        check_rows(dataclasses.replace(plan, steps=have // plan.batch_rows + 1), tmp / "world")
+
+
 def test_data2x_seeds_plan_completes_the_teacher_ladder_on_five_seeds():
     """With ``data2x`` (its two runs cut by time replaced by the reruns), every teacher size has seeds 0-4."""
     data2x, more = PLANS["data2x"](), PLANS["data2x-seeds"]()
@@ -276,7 +312,7 @@ def test_data2x_seeds_plan_completes_the_teacher_ladder_on_five_seeds():
 
 
 @pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "data2x", "data2x-seeds", "data2x-w128", "data4x",
-                                       "scaling", "dry"])
+                                       "data-passes", "scaling", "dry"])
 def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
     """What the GPU calls will start: each run's command line through its runner's own parser, and its
     overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
@@ -291,16 +327,16 @@ def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
         if plan.schedule:
             assert parsed.steps == plan.steps and parsed.lr == pytest.approx(run.size.lr, rel=1e-5)
             assert parsed.warmup_steps == plan.schedule.warmup_steps(plan.steps) > 0
-            assert parsed.final_lr_frac == plan.schedule.final_frac
+            assert parsed.final_lr_frac == plan.schedule.final_frac and parsed.passes == plan.passes
         else:
             assert parsed.max_steps == plan.steps
         cfg = apply_overrides(get_flavor(parsed.flavor), parsed.overrides)
         assert cfg.data.batch_size == plan.batch_rows and cfg.data.max_len == plan.history
-        if plan_name in ("trained", "recent", "recent-data", "data2x"):
+        if plan_name in ("trained", "recent", "recent-data", "data2x", "data-passes"):
             assert cfg.train.precision == "bf16-mixed" and cfg.data.num_workers == 2
             if run.size.family == "teacher":
                 assert cfg.model.teacher.dropout == (0.1 if "dropout" in run.size.probe else 0.0)
-                assert cfg.model.teacher.num_recent == (8 if plan_name in ("recent", "recent-data", "data2x") or "recent" in run.size.name else 0)
+                assert cfg.model.teacher.num_recent == (8 if plan_name in ("recent", "recent-data", "data2x", "data-passes") or "recent" in run.size.name else 0)
 
 
 def test_weighted_shards_follow_the_weights():

@@ -17,7 +17,8 @@ score and table (4.3e9 per layer at N=4,096, B=32, H=8) was what made the biased
   sums (:func:`add_position_grad`): a few atomics per diagonal instead of one per score;
 - time: along a row of a tile the bucket changes rarely except near the diagonal, so each row's
   two most common buckets are summed first, one atomic per row each (:func:`add_time_grad`); only
-  the other scores add themselves.
+  the other scores add themselves. A mask-free tile whose every row holds one bucket
+  (:func:`row_time_buckets`) skips the per-score buckets altogether: one row sum and atomic per row.
 
 Both are exact for any positions and times (not only sorted ones); only the float summation order
 changes.
@@ -101,6 +102,54 @@ def add_bias(s, qi, kj, n_hist, ts_q, ts_k, pb_ptr, tb_ptr, P_SIZE, T_SIZE, scal
         bucket = time_bucket(ts_q - ts_k, T_SIZE, PTX)
         s += gather(tb_ptr, bucket, PTX) * scale
     return s, bucket
+
+
+_INT32_MAX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def row_time_buckets(ts_rows, ts_cols, rows_ok, cols_ok, T_SIZE, PTX: tl.constexpr):
+    """``(bucket[M], uniform)`` for a tile that pairs row times ``ts_rows[M]`` with column times ``ts_cols[N]``:
+    each row's bucket at the columns' latest time, and whether every valid pair of every valid row falls in its
+    row's bucket.
+
+    The bucket grows with ``|dt|``, and for a row time outside the columns' ``(min, max)`` the pairs' ``|dt|``
+    lie between their values at those two ends, so equal buckets at both ends are the bucket of every pair, for
+    times in any order. Far from the diagonal a tile's times span a small fraction of the row's gap to them, and
+    the dQ pass then reads one time-table entry and adds one gradient sum per row instead of one bucket, read and
+    mask per score. (The forward and dK/dV passes keep the per-score form: there the check's reductions across
+    warps cost more than they saved, docs/benchmarks.md.)
+    """
+    lo = tl.min(tl.where(cols_ok, ts_cols, _INT32_MAX), 0)
+    hi = tl.max(tl.where(cols_ok, ts_cols, -_INT32_MAX), 0)
+    near = time_bucket(ts_rows - hi, T_SIZE, PTX)
+    far = time_bucket(ts_rows - lo, T_SIZE, PTX)
+    split = rows_ok & ((near != far) | ((ts_rows < hi) & (ts_rows > lo)))
+    return near, tl.max(split.to(tl.int32), 0) == 0
+
+
+@triton.jit
+def add_bias_rows(s, pos_rows, pos_cols, n_hist, ts_rows, ts_cols, rows_ok, cols_ok, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+                  scale, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, PTX: tl.constexpr):
+    """:func:`add_bias` for a tile given as vectors of its rows' (``[M]``) and columns' (``[N]``) positions and
+    times, either orientation; returns ``(s, bucket[M, N], row_bucket[M], uniform)``. Where
+    :func:`row_time_buckets` finds the tile uniform the time bias is one table read per row, added to the whole
+    row, and ``bucket`` is ``row_bucket`` broadcast; otherwise every score takes its own, as in :func:`add_bias`.
+    """
+    if HAS_PB:
+        s += gather(pb_ptr, position_index(pos_rows[:, None], pos_cols[None, :], n_hist, P_SIZE), PTX) * scale
+    row_bucket = pos_rows * 0
+    uniform = tl.max(row_bucket, 0) != 0
+    bucket = row_bucket[:, None] + pos_cols[None, :] * 0
+    if HAS_TB:
+        row_bucket, uniform = row_time_buckets(ts_rows, ts_cols, rows_ok, cols_ok, T_SIZE, PTX)
+        if uniform:
+            s += gather(tb_ptr, row_bucket, PTX)[:, None] * scale
+            bucket = row_bucket[:, None] + pos_cols[None, :] * 0
+        else:
+            bucket = time_bucket(ts_rows[:, None] - ts_cols[None, :], T_SIZE, PTX)
+            s += gather(tb_ptr, bucket, PTX) * scale
+    return s, bucket, row_bucket, uniform
 
 
 @triton.jit

@@ -41,6 +41,7 @@ from kernels.precompile import recording
 from kernels.spec import AttentionSpec
 from kernels.triton.bias import (
     add_bias,
+    add_bias_rows,
     add_position_grad,
     add_time_grad,
     flush_position_grad,
@@ -317,9 +318,16 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX: tl.constexpr):
+    # The reference bucket of each row: its first key's, the largest time difference in order.
+    ref = time_bucket(ts_m - tl.load(ts_base + start_n), T_SIZE, PTX)
+    add_time_grad(ds, bucket, ref, dtb_ptr, PTX)
+
+
+@triton.jit
 def _bwd_dq_tiles(
-    dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
-    lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
+    dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
+    ts_m, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
     m_start, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
@@ -337,8 +345,14 @@ def _bwd_dq_tiles(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
-            s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr,
-                                 tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
+            if MASKED:
+                s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
+                                     pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
+            else:
+                s, bucket, row_bucket, uniform = add_bias_rows(
+                    s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+                    bias_scale, HAS_PB, HAS_TB, PTX,
+                )
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
             p = tl.math.exp2(s - lse[:, None])
@@ -359,11 +373,12 @@ def _bwd_dq_tiles(
         if HAS_TB:
             if DETERMINISTIC:
                 time_acc = sum_time_grad(time_acc, ds, bucket, BLOCK_T)
+            elif MASKED:
+                _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
+            elif uniform:
+                tl.atomic_add(dtb_ptr + row_bucket, tl.sum(ds, 1), sem="relaxed")
             else:
-                # The reference bucket of each row: its first key's, the largest time difference in order.
-                ts_first = tl.load(ts_base + start_n)
-                ref = time_bucket(ts_m - ts_first, T_SIZE, PTX)
-                add_time_grad(ds, bucket, ref, dtb_ptr, PTX)
+                _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
     return dq, win_lo, win_hi, time_acc
 
 
@@ -420,15 +435,15 @@ def _bwd_dq_kernel(
     time_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
-        dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
-        lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+        dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
+        ts_m, lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
         BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
-        dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m,
-        tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+        dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
+        ts_m, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
         BLOCK_N, DETERMINISTIC, BLOCK_T,

@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernels
 from kernels import AttentionSpec, jagged_attention, jagged_cross_attention
@@ -18,6 +20,7 @@ from kernels.checks import check_num_targets, check_offsets
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import time_bucket
 from kernels.triton import jagged_attention as triton_backend
+from kernels.triton.bias import row_time_buckets
 
 ACTS = ["softmax", "silu", "gelu", "relu", "identity"]
 
@@ -330,6 +333,84 @@ def test_bias_table_gradients_for_times_out_of_order_and_every_distance(activati
     want = _run("pytorch", t, offsets, 45, 3, **kwargs)
     got = _run("triton", t, offsets, 45, 3, **kwargs)
     _assert_close(got, want, 1e-4, f"unordered times {activation}")
+
+
+@triton.jit
+def _row_buckets_kernel(TR, TC, OKR, OKC, OUT, FLAG, T_SIZE, M: tl.constexpr, N: tl.constexpr):
+    rows, cols = tl.arange(0, M), tl.arange(0, N)
+    bucket, uniform = row_time_buckets(tl.load(TR + rows), tl.load(TC + cols), tl.load(OKR + rows) != 0,
+                                       tl.load(OKC + cols) != 0, T_SIZE, False)
+    tl.store(OUT + rows, bucket)
+    tl.store(FLAG, uniform.to(tl.int32))
+
+
+def _row_buckets(ts_rows, ts_cols, rows_ok, cols_ok, size=40):
+    out, flag = torch.zeros(len(ts_rows), dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    _row_buckets_kernel[(1,)](ts_rows.to(torch.int32), ts_cols.to(torch.int32), rows_ok.to(torch.int32),
+                              cols_ok.to(torch.int32), out, flag, size, M=len(ts_rows), N=len(ts_cols))
+    return out, bool(flag)
+
+
+def test_row_time_buckets_claim_a_tile_uniform_only_when_every_pair_agrees():
+    """A tile found uniform must hold its row's bucket at every valid pair, for times in any order; rows and
+    columns outside the tile's valid part do not count. Bursts of events far apart are found uniform (the fast
+    path is taken), a row time between the columns' times never is, even where both ends share a bucket."""
+    g = torch.Generator().manual_seed(3)
+    found = 0
+    for trial in range(300):
+        spread = int(10 ** (trial % 7))
+        ts_cols = torch.randint(0, spread, (16,), generator=g) + 10**6 * (trial % 3)
+        ts_rows = torch.randint(0, 10**7, (8,), generator=g)
+        if trial % 2:
+            ts_rows = ts_rows % (10 * spread) + ts_cols.max()
+        rows_ok, cols_ok = torch.rand(8, generator=g) > 0.2, torch.rand(16, generator=g) > 0.2
+        cols_ok[0] = True
+        bucket, uniform = _row_buckets(ts_rows, ts_cols, rows_ok, cols_ok)
+        pairs = time_bucket(ts_rows[:, None] - ts_cols[None, :], 40)
+        assert torch.equal(bucket.long(), time_bucket(ts_rows - ts_cols[cols_ok].max(), 40).long())
+        if uniform:
+            found += 1
+            agree = pairs == bucket[:, None].long()
+            assert agree[rows_ok][:, cols_ok].all(), f"trial {trial}: a uniform tile with a pair in another bucket"
+    assert found > 30
+    # Both ends of the columns' span 1,000-1,100 s from the row (bucket 22 or 23 of ln/0.301), the row inside it.
+    ts_cols = torch.tensor([0, 2100, 1000, 1050])
+    assert not _row_buckets(torch.tensor([1050]), ts_cols, torch.ones(1, dtype=torch.bool),
+                            torch.ones(4, dtype=torch.bool))[1]
+    # ...and the same row outside it is uniform once the near columns are out of the tile.
+    assert _row_buckets(torch.tensor([3100]), ts_cols, torch.ones(1, dtype=torch.bool),
+                        torch.tensor([False, True, False, False]))[1]
+
+
+def _burst_times(lengths, gen, *, shuffled):
+    """Events in bursts of 8, one second apart inside a burst and 10^5-10^6 s between bursts: the tiles of a
+    later burst's rows on an earlier burst's keys are uniform (:func:`kernels.triton.bias.row_time_buckets`)."""
+    out = []
+    for n in lengths:
+        gaps = torch.where(torch.arange(n) % 8 == 0, torch.randint(10**5, 10**6, (n,), generator=gen), 1)
+        t = gaps.cumsum(0)
+        out.append(t[torch.randperm(n, generator=gen)] if shuffled else t)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("shuffled", [False, True], ids=["in-order", "shuffled"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_time_bias_on_uniform_tiles_matches_reference(activation, shuffled, deterministic, monkeypatch):
+    """Bursty times make most mask-free tiles uniform, where the kernels read one time-table entry per row and
+    the dQ pass adds one row sum per row; in order and shuffled, with targets and query times, both tables,
+    atomics and deterministic: the output and every gradient against the reference."""
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1" if deterministic else "0")
+    lengths = [96, 3, 0, 70]
+    t = _inputs(lengths, 2, 16, 16, torch.float32, seed=37, pos=50, time=40)
+    g = torch.Generator().manual_seed(9)
+    t["timestamps"] = _burst_times(lengths, g, shuffled=shuffled)
+    qts = t["timestamps"] + torch.randint(0, 3, (sum(lengths),), generator=g)
+    kwargs = dict(activation=activation, causal=True, num_targets=torch.tensor([3, 1, 0, 2]), query_timestamps=qts)
+    offsets = _offsets(lengths)
+    want = _run("pytorch", t, offsets, 96, 5, **kwargs)
+    got = _run("triton", t, offsets, 96, 5, **kwargs)
+    _assert_close(got, want, 1e-4, f"uniform tiles {activation} shuffled={shuffled}")
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
