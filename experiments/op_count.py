@@ -5,7 +5,8 @@ sizes, so counting operators on a CPU at small widths measures what the GPU step
 (the same structure dispatches the same operators). :class:`OpCounter` counts every operator that reaches
 ATen (a :class:`~torch.utils._python_dispatch.TorchDispatchMode`, so autograd's backward operators too) by
 phase (``forward``, ``backward``, ``optimizer``), by kind (:func:`op_kind`) and by the line of this
-repository that dispatched it: views, allocations and the dispatchers' CPU-only offset checks launch no
+repository that dispatched it (for the backward of a built-in function, the autograd node and the forward line
+that made it: :func:`autograd_site`): views, allocations and the dispatchers' CPU-only offset checks launch no
 kernel on a GPU (:data:`NO_KERNEL`), every other kind launches about one. Triton kernels are not ATen operators; their launches are
 counted by kernel name, and what Triton's CPU interpreter does inside a launch is left out of both the
 operator counts and the host time (on a GPU a launch is asynchronous; on a CPU the interpreter *runs* it).
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,6 +70,8 @@ CPU_ONLY_FILES = ("kernels/checks.py",)
 REPOSITORY = str(Path(__file__).resolve().parents[1])
 # A virtual environment may live inside the checkout (CI's does): its packages are not this repository's code.
 INSTALLED = ("site-packages", "dist-packages")
+# One frame of a traceback that anomaly mode stores in an autograd node's metadata.
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
 # On a CUDA tensor these read a device value on the host (or size an output by one).
 _SYNC = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "allclose", "unique", "_unique2", "unique_consecutive", "tolist"}
 
@@ -155,15 +160,39 @@ class OpCounter(TorchDispatchMode):
 
 
 def caller_in_project() -> str:
-    """``path:line`` of the innermost frame of this repository's code on the stack (``?``: none, e.g. an
-    operator of autograd's backward for a built-in function)."""
+    """``path:line`` of the innermost frame of this repository's code on the stack (``?``: none).
+
+    An operator that autograd's engine runs for a built-in function's backward has no frame of ours below the
+    ``.backward()`` call: it is named by its node and the forward line that made the node instead,
+    ``AddmmBackward0 of path:line`` (:func:`autograd_site`).
+    """
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(REPOSITORY) and filename != __file__ and not any(p in filename for p in INSTALLED):
+        if frame.f_code.co_name == "_engine_run_backward":
+            return autograd_site()
+        if _in_project(filename):
             return f"{filename[len(REPOSITORY) + 1:]}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
+
+
+def _in_project(filename: str) -> bool:
+    return filename.startswith(REPOSITORY) and filename != __file__ and not any(p in filename for p in INSTALLED)
+
+
+def autograd_site() -> str:
+    """The autograd node running now and the innermost line of ours in its forward's traceback (recorded only
+    under anomaly mode, which :func:`count_steps` turns on for the counted steps; ``?`` without it)."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return "?"
+    where = "?"
+    for entry in node.metadata.get("traceback_") or []:
+        match = _FRAME.match(entry)
+        if match and _in_project(match["file"]):
+            where = f"{match['file'][len(REPOSITORY) + 1:]}:{match['line']}"
+    return f"{node.name()} of {where}"
 
 
 class LaunchTimer:
@@ -256,7 +285,10 @@ def count_steps(run_step: Callable, batches, steps: int, *, interpret: bool = Fa
         timer.launches.clear()
         timer.bytes.clear()
         timer.counter = counter
-        with counter:
+        # Anomaly mode (without its NaN checks, which would add operators) keeps each autograd node's forward
+        # traceback, by which the backward's operators are attributed (:func:`autograd_site`).
+        with counter, warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True, check_nan=False):
+            warnings.simplefilter("ignore", UserWarning)
             counted = _run(run_step, PhaseClock(timer, counter), batches, steps)
         timer.counter = None
         launches, launch_bytes = Counter(timer.launches), Counter(timer.bytes)

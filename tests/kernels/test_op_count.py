@@ -67,6 +67,22 @@ def test_counts_by_phase_kind_and_site():
     assert all(v >= 0 for v in counts["host_ms"].values())
 
 
+def test_backward_operators_are_named_by_their_node_and_forward_line():
+    """The engine's operators for a built-in backward (a linear's input, weight and bias gradients) name the
+    node and the line of the forward that made it; a custom function's backward keeps its own line; the
+    anomaly mode that records the forward lines is off again after counting."""
+    model, optimizer = tiny_model()
+    counts = count_steps(make_step(model, optimizer), [torch.randn(5, 8) for _ in range(5)], 1)
+    sites = counts["top_sites"]["backward"]
+    first, second = (s.split(" at ")[1] for s in counts["top_sites"]["forward"] if s.startswith("addmm at "))
+    assert sites[f"mm at AddmmBackward0 of {first}"] == 1  # weight gradient only: x needs none
+    assert sites[f"mm at AddmmBackward0 of {second}"] == 2
+    assert sites[f"sum at AddmmBackward0 of {first}"] == sites[f"sum at AddmmBackward0 of {second}"] == 1
+    assert sites["sum at kernels/triton/layer_norm.py:170"] == 1
+    assert not any(s.endswith(" at ?") or " of ?" in s for s in sites), sites
+    assert not torch.is_anomaly_enabled()
+
+
 def test_a_host_read_inside_the_step_is_reported_as_a_sync():
     model, optimizer = tiny_model()
     counts = count_steps(make_step(model, optimizer, sync=True), [torch.randn(5, 8) for _ in range(3)], 1)
