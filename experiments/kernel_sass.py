@@ -28,14 +28,15 @@ from kernels.triton.configs import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, config
 
 KERNELS = {"fwd": (attn._fwd_kernel, FWD_CONFIGS), "dq": (attn._bwd_dq_kernel, DQ_CONFIGS),
            "dkdv": (attn._bwd_dkdv_kernel, DKDV_CONFIGS)}
-FP32_POINTERS = {"LSE", "DELTA", "PB", "TB", "DPB", "DTB", "TS", "QTS"}
+FP32_POINTERS = {"LSE", "DELTA", "PB", "TB", "DPB", "DTB"}
+I32_POINTERS = {"ORDER", "TS", "QTS"}
 I64_POINTERS = {"Q_OFF", "KV_OFF", "NT"}
 FLOATS = {"alpha", "inv_n"}
 SHOWN = ["HGMMA", "MUFU", "LDG", "LDS", "STS", "REDG", "SHFL", "BAR", "STL", "LDL"]
 
 
 def signature(fn, constexprs: dict) -> tuple[dict, dict]:
-    """Argument types (bf16 tensors, float32 tables and times, int64 offsets) and 16-divisibility hints."""
+    """Argument types (bf16 tensors, float32 tables, int32 times and order, int64 offsets) and 16-divisibility hints."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -47,7 +48,7 @@ def signature(fn, constexprs: dict) -> tuple[dict, dict]:
         ):
             sig[name] = "i32"
         else:
-            sig[name] = "*fp32" if name in FP32_POINTERS else "*i64" if name in I64_POINTERS else "*i32" if name == "ORDER" else "*bf16"
+            sig[name] = "*fp32" if name in FP32_POINTERS else "*i64" if name in I64_POINTERS else "*i32" if name in I32_POINTERS else "*bf16"
         if sig[name].startswith("*") or (name.startswith("stride_") and name not in fn.do_not_specialize):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
