@@ -179,7 +179,7 @@ def _fwd_tiles(
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
             s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr, tb_ptr,
-                            P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
+                            P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX, CAUSAL and not MASKED)
         if ACT == 0:
             if MASKED:
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
@@ -351,7 +351,7 @@ def _bwd_dq_tiles(
             else:
                 s, bucket, row_bucket, uniform = add_bias_rows(
                     s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-                    bias_scale, HAS_PB, HAS_TB, PTX,
+                    bias_scale, HAS_PB, HAS_TB, PTX, CAUSAL,
                 )
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
@@ -481,7 +481,7 @@ def _bwd_dkdv_tiles(
         if HAS_PB or HAS_TB:
             ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
             s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
-                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
+                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX, CAUSAL and not MASKED)
         dp_t = tl.dot(v, tl.trans(do))
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
