@@ -56,6 +56,11 @@ memorises; ``data-passes`` alone reads the whole split twice), then scores the v
   with another train split is refused. The teacher keeps dropout 0 (the one-pass recipe), so its second pass may
   memorise; the curve's train loss is held out in the first pass only. Six calls (``--shard I/6``, 2-3 runs each:
   a run alone is estimated at 360-420 s, so the world must already be on the machine, e.g. from a ``plan`` call).
+- ``data-fresh``: ``data-passes``' sizes, seeds, schedule and (within 1%) steps on a world of twice the impressions
+  (4M, 160 per user), read once: as many rows and FLOPs per run as two passes over the 2M world, every row distinct.
+  The second pass moved every teacher size but not the top of the ladder (``w128-l3`` fit the repeated rows better
+  without a test gain), so this asks whether distinct rows reopen it. 6,200 steps of 512 stay inside one pass of any
+  regeneration's train split (80.0% of the rows). The world takes about twice the 2M world's ~160 s.
 
 **Runs.** Each is a runner process (``OMP_NUM_THREADS=1``, ``GEM_KERNELS_AUTOTUNE=0``: concurrent runs must not
 autotune against each other's load), ``--parallel`` (else the plan's ``parallel``, else all of a shard) at once,
@@ -512,6 +517,23 @@ def data_passes_plan() -> Plan:
     )
 
 
+def data_fresh_plan() -> Plan:
+    """``data-passes`` on twice the impressions per user, one pass of 6,200 steps (module doc)."""
+    passes = data_passes_plan()
+    world = dataclasses.replace(passes.world, num_examples=2 * passes.world.num_examples)
+    rows = world.num_examples // 1000
+    return dataclasses.replace(
+        passes,
+        name="data-fresh",
+        world=world,
+        steps=6_200,
+        passes=1,
+        split_rows=0,
+        label=re.sub(r"2M impressions, (.*?); 2 passes over the \d+k train rows",
+                     rf"{rows / 1000:.0f}M impressions, \1; one pass over 3.2M of its train rows", passes.label),
+    )
+
+
 def dry_plan() -> Plan:
     """The ``trained`` plan's path and recipe at CPU sizes: a 3k-row world, two sizes of each model, a probe, four
     steps."""
@@ -542,7 +564,8 @@ def dry_plan() -> Plan:
 PLANS: dict[str, Callable[[], Plan]] = {"scaling": scaling_plan, "trained": trained_plan, "recent": recent_plan,
                                         "recent-data": recent_data_plan, "data2x": data2x_plan,
                                         "data2x-seeds": data2x_seeds_plan, "data2x-w128": data2x_w128_plan,
-                                        "data4x": data4x_plan, "data-passes": data_passes_plan, "dry": dry_plan}
+                                        "data4x": data4x_plan, "data-passes": data_passes_plan,
+                                        "data-fresh": data_fresh_plan, "dry": dry_plan}
 
 
 def build_plan(name: str, preset: str | None = None) -> Plan:

@@ -282,6 +282,22 @@ def test_data_passes_plan_reads_the_whole_split_twice(tmp_path):
     assert "--passes" not in run_command(plan_runs(data4x)[0], tmp_path, tmp_path / "r.json", data4x, 300.0, args)
 
 
+def test_data_fresh_plan_reads_as_many_rows_as_data_passes_all_distinct(tmp_path):
+    """Same sizes, seeds, schedule and (within 1%) rows as two passes over the 2M world, on a world of twice the
+    impressions read once; its rows fit one pass of that world's train split with room for regeneration noise."""
+    plan, passes = PLANS["data-fresh"](), PLANS["data-passes"]()
+    assert plan.world.num_examples == 2 * passes.world.num_examples == 4_000_000
+    assert plan.world.num_users == passes.world.num_users
+    assert dataclasses.replace(plan.world, num_examples=passes.world.num_examples) == passes.world
+    assert plan.sizes == passes.sizes and plan.seeds == passes.seeds and plan.schedule == passes.schedule
+    assert plan.passes == 1 and plan.split_rows == 0
+    assert 0.99 * passes.train_rows < plan.train_rows < 2 * WORLD_TRAIN_ROWS * 0.995
+    assert "4M impressions" in plan.label and "one pass" in plan.label and "2 passes" not in plan.label
+    args = build_parser().parse_args(["run", "--plan", "data-fresh", "--world", "w", "--out", "o"])
+    command = run_command(plan_runs(plan)[0], tmp_path, tmp_path / "r.json", plan, 300.0, args)
+    assert command[command.index("--steps") + 1] == "6200" and "--passes" not in command
+
+
 def test_passes_are_checked_against_the_world(dry):
     tmp, summary = dry
     have = summary["world"]["rows"]["train"]
@@ -312,7 +328,7 @@ def test_data2x_seeds_plan_completes_the_teacher_ladder_on_five_seeds():
 
 
 @pytest.mark.parametrize("plan_name", ["trained", "recent", "recent-data", "data2x", "data2x-seeds", "data2x-w128", "data4x",
-                                       "data-passes", "scaling", "dry"])
+                                       "data-passes", "data-fresh", "scaling", "dry"])
 def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
     """What the GPU calls will start: each run's command line through its runner's own parser, and its
     overrides onto its flavor (argparse or a bad key must not cost a GPU call)."""
@@ -332,11 +348,11 @@ def test_every_run_command_parses_and_its_overrides_apply(plan_name, tmp_path):
             assert parsed.max_steps == plan.steps
         cfg = apply_overrides(get_flavor(parsed.flavor), parsed.overrides)
         assert cfg.data.batch_size == plan.batch_rows and cfg.data.max_len == plan.history
-        if plan_name in ("trained", "recent", "recent-data", "data2x", "data-passes"):
+        if plan_name in ("trained", "recent", "recent-data", "data2x", "data-passes", "data-fresh"):
             assert cfg.train.precision == "bf16-mixed" and cfg.data.num_workers == 2
             if run.size.family == "teacher":
                 assert cfg.model.teacher.dropout == (0.1 if "dropout" in run.size.probe else 0.0)
-                assert cfg.model.teacher.num_recent == (8 if plan_name in ("recent", "recent-data", "data2x", "data-passes") or "recent" in run.size.name else 0)
+                assert cfg.model.teacher.num_recent == (8 if plan_name in ("recent", "recent-data", "data2x", "data-passes", "data-fresh") or "recent" in run.size.name else 0)
 
 
 def test_weighted_shards_follow_the_weights():
