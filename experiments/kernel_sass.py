@@ -88,7 +88,7 @@ def tools(name: str) -> str:
 def report(kernel: str, bias: str, act: int, config: triton.Config, deterministic: bool = False) -> str:
     fn, _ = KERNELS[kernel]
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
-                      HAS_TB=bias != "none", FAST=True, PTX=True, DQK=128, DV=128, BLOCK_DQK=128, BLOCK_DV=128,
+                      HAS_TB=bias != "none", POS_FITS=bias != "none", FAST=True, PTX=True, DQK=128, DV=128, BLOCK_DQK=128, BLOCK_DV=128,
                       **config.kwargs)
     if kernel == "fwd":
         constexprs["TMA"] = True

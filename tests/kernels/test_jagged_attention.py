@@ -335,6 +335,22 @@ def test_bias_table_gradients_for_times_out_of_order_and_every_distance(activati
     _assert_close(got, want, 1e-4, f"unordered times {activation}")
 
 
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_position_table_longer_than_every_sequence_matches_reference(activation, causal):
+    """A position table with an entry for every distance of the call (the teacher's case) lets the kernels drop
+    the clamp to its last entry (``POS_FITS``); with targets, both tables, output and every gradient. The same
+    sequences with a table exactly as long as the longest one (the largest distance is its last entry) too."""
+    lengths = [45, 3, 0, 38, 17]
+    for pos in (64, 45):
+        t = _inputs(lengths, 2, 16, 16, torch.float32, seed=37, pos=pos, time=12)
+        kwargs = dict(activation=activation, causal=causal, num_targets=torch.tensor([2, 1, 0, 5, 0]))
+        offsets = _offsets(lengths)
+        want = _run("pytorch", t, offsets, 45, 5, **kwargs)
+        got = _run("triton", t, offsets, 45, 5, **kwargs)
+        _assert_close(got, want, 1e-4, f"table of {pos} {activation} causal={causal}")
+
+
 @triton.jit
 def _row_buckets_kernel(TR, TC, OKR, OKC, OUT, FLAG, T_SIZE, M: tl.constexpr, N: tl.constexpr):
     rows, cols = tl.arange(0, M), tl.arange(0, N)
