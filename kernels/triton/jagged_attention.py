@@ -167,7 +167,8 @@ def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
     kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -296,15 +297,15 @@ def _fwd_kernel(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
         h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-        TMA,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, TMA,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
         h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-        TMA,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, TMA,
     )
     if ACT == 0:
         empty = l_i == 0.0
@@ -330,7 +331,8 @@ def _bwd_dq_tiles(
     ts_m, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
     m_start, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -438,15 +440,15 @@ def _bwd_dq_kernel(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-        BLOCK_N, DETERMINISTIC, BLOCK_T,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-        BLOCK_N, DETERMINISTIC, BLOCK_T,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     if DETERMINISTIC:
         if HAS_PB:
@@ -463,7 +465,8 @@ def _bwd_dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom,
     offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -481,7 +484,8 @@ def _bwd_dkdv_tiles(
         if HAS_PB or HAS_TB:
             ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
             s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
-                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX, CAUSAL and not MASKED, POS_FITS)
+                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX,
+                              CAUSAL and not MASKED, POS_FITS)
         dp_t = tl.dot(v, tl.trans(do))
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
@@ -554,12 +558,14 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_M,
     )
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_M,
     )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
              (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
