@@ -521,16 +521,17 @@ def data_fresh_plan() -> Plan:
     """``data-passes`` on twice the impressions per user, one pass of 6,200 steps (module doc)."""
     passes = data_passes_plan()
     world = dataclasses.replace(passes.world, num_examples=2 * passes.world.num_examples)
-    rows = world.num_examples // 1000
+    steps = 6_200
     return dataclasses.replace(
         passes,
         name="data-fresh",
         world=world,
-        steps=6_200,
+        steps=steps,
         passes=1,
         split_rows=0,
         label=re.sub(r"2M impressions, (.*?); 2 passes over the \d+k train rows",
-                     rf"{rows / 1000:.0f}M impressions, \1; one pass over 3.2M of its train rows", passes.label),
+                     rf"{world.num_examples / 1e6:.0f}M impressions, \1; one pass over "
+                     rf"{steps * passes.batch_rows / 1e6:.1f}M of its train rows", passes.label),
     )
 
 
