@@ -2,9 +2,12 @@
 
 Each kernel variant is compiled for sm_90 by Triton's own toolchain (``triton.compile`` with a CUDA
 target, ptxas bundled with Triton), then ``cuobjdump -res-usage`` gives registers and stack (spills)
-and ``nvdisasm`` the SASS. The tile loop is the innermost loop holding ``HGMMA``s (the mask-free one,
-the shortest such loop); its instruction count divided by the scores each thread owns per tile is the
-elementwise cost per score. Counts are static: a branch inside the loop counts as if always taken.
+and ``nvdisasm`` the SASS. Each kernel has two tile loops (loops holding ``HGMMA``s), one over the
+mask-free tiles and one over the masked tiles at the diagonal, laid out in the order the kernel calls
+them (:data:`LOOP_ORDER`); a loop's instruction count divided by the scores each thread owns per tile is
+its elementwise cost per score. Counts are static: a branch inside a loop counts as if always taken.
+(Picking "the shortest loop" instead named the masked loop of the biased dQ pass once a change made it
+the shorter one, docs/benchmarks.md.)
 Run it with the Triton of the GPU machine first on ``PYTHONPATH`` (e.g. ``pip install --target DIR
 triton==3.6.0``); the counts differ between Triton versions.
 
@@ -33,6 +36,8 @@ I32_POINTERS = {"ORDER", "TS", "QTS"}
 I64_POINTERS = {"Q_OFF", "KV_OFF", "NT"}
 FLOATS = {"alpha", "inv_n"}
 SHOWN = ["HGMMA", "MUFU", "LDG", "LDS", "STS", "REDG", "SHFL", "BAR", "STL", "LDL"]
+# The kernels' tile loops in the order their sources call them (kernels/triton/jagged_attention.py).
+LOOP_ORDER = {"fwd": ("mask-free", "masked"), "dq": ("mask-free", "masked"), "dkdv": ("masked", "mask-free")}
 
 
 def signature(fn, constexprs: dict) -> tuple[dict, dict]:
@@ -61,8 +66,8 @@ def compile_sm90(fn, constexprs: dict, config: triton.Config):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def tile_loop(sass: str) -> collections.Counter:
-    """Instruction counts of the shortest loop (backward branch to a label) that holds HGMMAs."""
+def tile_loops(sass: str) -> list[collections.Counter]:
+    """Instruction counts of each innermost loop (backward branch to a label) holding HGMMAs, in program order."""
     lines = sass.splitlines()
     labels, bodies = {}, []
     for i, line in enumerate(lines):
@@ -77,8 +82,16 @@ def tile_loop(sass: str) -> collections.Counter:
                 if op:
                     ops[op.group(2).split(".")[0]] += 1
             if ops["HGMMA"]:
-                bodies.append(ops)
-    return min(bodies, key=lambda ops: sum(ops.values()))
+                bodies.append((labels[branch.group(1)], i, ops))
+    # Innermost only: a loop around another (e.g. over a pipelined loop's prologue) is not a tile loop.
+    inner = [b for b in bodies if not any(b[0] <= o[0] and o[1] <= b[1] and o is not b for o in bodies)]
+    return [ops for _, _, ops in sorted(inner, key=lambda body: body[0])]
+
+
+def loop_line(name: str, loop: collections.Counter, scores: float) -> str:
+    total = sum(loop.values())
+    shown = " ".join(f"{k}={loop[k]}" for k in SHOWN if loop[k])
+    return f"{name} {total} instr, {total / scores:.1f}/score ({shown})"
 
 
 def tools(name: str) -> str:
@@ -103,14 +116,13 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
         sass = subprocess.run([tools("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", usage).group(1)
     stack = re.search(r"STACK:(\d+)", usage).group(1)
-    loop = tile_loop(sass)
-    total = sum(loop.values())
+    loops = tile_loops(sass)
+    names = LOOP_ORDER[kernel] if len(loops) == len(LOOP_ORDER[kernel]) else [f"loop {i}" for i in range(len(loops))]
     scores = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] / (32 * config.num_warps)
-    shown = " ".join(f"{k}={loop[k]}" for k in SHOWN if loop[k])
+    parts = " | ".join(loop_line(name, loop, scores) for name, loop in zip(names, loops, strict=True))
     kernel = f"{kernel}-det" if constexprs.get("DETERMINISTIC") else kernel
     return (f"{kernel:6s} bias={bias:4s} act={act} {config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
-            f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack} | tile loop {total} instr, "
-            f"{total / scores:.1f}/score | {shown}")
+            f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack} | {parts}")
 
 
 def main(argv: list[str] | None = None) -> int:
