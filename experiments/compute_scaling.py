@@ -75,7 +75,8 @@ with ``--bundle DIR`` also ``DIR/summary-IofN.json`` (rewritten as each run ends
 
 **Shards.** ``--shard I/N`` takes the I-th of N groups of runs balanced by estimated time (longest first, each
 to the group with the lowest load per weight; weights from ``--weights``, else the plan's ``shard_weights``),
-a deterministic split of the same plan. The estimate (:func:`estimated_seconds`, :class:`CostModel`) is each
+a deterministic split of the same plan; ``--done SUMMARY..`` first leaves out the runs those summaries hold
+trained to their schedule's end, so the rest of a half-run plan can be split over fewer calls. The estimate (:func:`estimated_seconds`, :class:`CostModel`) is each
 run's seconds alone and its GPU seconds; a shard takes the larger of its GPU seconds and its seconds over the
 overlap.
 
@@ -741,6 +742,27 @@ def shard_seconds(runs: list[Run], costs: dict[str, dict], overlap: float) -> fl
     return max(gpu, sum(costs[r.size_key]["seconds"] for r in runs) / overlap)
 
 
+def done_runs(paths: list[Path], plan: Plan, world: dict) -> set[str]:
+    """Names of the plan's runs that trained their whole schedule in these summaries (``--done``), on this world
+    and data budget; a later call shards only the rest. A summary of another plan, world or data is refused."""
+    names = {r.name for r in plan_runs(plan)}
+    done: set[str] = set()
+    for path in paths:
+        try:
+            summary = json.loads(path.read_text())
+            if not isinstance(summary, dict) or not {"plan", "data", "world", "runs"} <= summary.keys():
+                raise ValueError("no plan, data, world or runs")
+        except ValueError as exc:
+            raise ValueError(f"--done {path}: not a summary of compute_scaling ({exc})") from None
+        if plan.name not in summary["plan"].split(" + ") or summary["data"] != plan.label:
+            raise ValueError(f"--done {path}: a summary of plan {summary['plan']!r} ({summary['data']}), "
+                             f"not of {plan.name!r}")
+        if json.dumps(summary["world"], sort_keys=True) != json.dumps(world, sort_keys=True):
+            raise ValueError(f"--done {path}: a summary of another world than {world}")
+        done |= {r.get("name") for r in summary["runs"] if r.get("status") == "ok" and r.get("stopped_by") != "time"}
+    return done & names
+
+
 # -- running ----------------------------------------------------------------------------------------
 
 
@@ -961,7 +983,9 @@ def sweep(args: argparse.Namespace) -> dict:
     prepare(plan, world_dir, args.workers)
     check_rows(plan, world_dir)
     costs = estimate(plan, world_dir)
-    runs = shard_runs(plan_runs(plan), costs, index, count, weights, plan.cost.overlap)
+    done = done_runs([Path(p) for p in args.done], plan, world_facts(world_dir))
+    todo = [r for r in plan_runs(plan) if r.name not in done]
+    runs = shard_runs(todo, costs, index, count, weights, plan.cost.overlap)
     schema = EventSchema.load(world_dir)
     summary = {
         "plan": plan.name,
@@ -981,7 +1005,8 @@ def sweep(args: argparse.Namespace) -> dict:
     if args.bundle:
         Path(args.bundle).mkdir(parents=True, exist_ok=True)
     seconds = shard_seconds(runs, costs, plan.cost.overlap)
-    print(f"shard {args.shard}: {len(runs)} runs, ~{seconds:.0f} s of GPU (estimate)", flush=True)
+    print(f"shard {args.shard}: {len(runs)} runs, ~{seconds:.0f} s of GPU (estimate)"
+          + (f"; {len(done)} runs done before (--done)" if done else ""), flush=True)
 
     def on_finish(proc: Process, killed: bool) -> None:
         row = run_row(proc, killed, schema.domain_names)
@@ -1103,7 +1128,10 @@ def print_plan(args: argparse.Namespace) -> None:
     world_dir = prepare(plan, Path(args.world), args.workers)
     check_rows(plan, world_dir)
     costs = estimate(plan, world_dir)
-    runs = plan_runs(plan)
+    done = done_runs([Path(p) for p in args.done], plan, world_facts(world_dir))
+    runs = [r for r in plan_runs(plan) if r.name not in done]
+    if done:
+        print(f"done before (--done): {' '.join(sorted(done))}")
     count = args.shards or len(plan.shard_weights) or 2
     weights = shard_weights(plan, args.weights, count)
     for name, c in costs.items():
@@ -1131,6 +1159,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="processes generating the world")
     plan.add_argument("--shards", type=int, default=0, help="calls to split the plan over (0: the plan's)")
     for sub in (run, plan):
+        sub.add_argument("--done", nargs="+", default=[], metavar="SUMMARY",
+                         help="leave out the runs these summaries of the plan hold trained to the end, then shard the rest")
         sub.add_argument("--weights", default=None,
                          help="A,B,..: each shard's share of the plan (default: the plan's, else equal)")
     run.add_argument("--out", required=True, help="runs/<name>/ and summary.json go here")

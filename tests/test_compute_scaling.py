@@ -313,6 +313,33 @@ def test_passes_are_checked_against_the_world(dry):
         check_rows(dataclasses.replace(plan, steps=have // plan.batch_rows + 1), tmp / "world")
 
 
+def test_done_summaries_leave_their_finished_runs_out_of_the_shards(dry, tmp_path, capsys):
+    tmp, summary = dry
+    finished, cut, failed = (dict(r) for r in summary["runs"][:3])
+    cut["stopped_by"], failed["status"] = "time", "failed"
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({**summary, "runs": [finished, cut, failed]}))
+    capsys.readouterr()
+    assert main(["plan", "--plan", "dry", "--world", str(tmp / "world"), "--shards", "2", "--done", str(part)]) == 0
+    out = capsys.readouterr().out
+    sharded = {name for line in out.splitlines() if line.startswith("shard ") for name in line.split(": ")[-1].split()}
+    assert f"done before (--done): {finished['name']}" in out
+    # Only a run trained to its schedule's end counts as done: a cut or failed one is run again.
+    assert sharded == {r.name for r in plan_runs(PLANS["dry"]())} - {finished["name"]}
+
+    elsewhere = {**summary, "world": {**summary["world"], "oracle_test": {}}}
+    cases = {"other-plan.json": json.dumps({**summary, "plan": "trained"}),
+             "other-data.json": json.dumps({**summary, "data": "another budget"}),
+             "other-world.json": json.dumps(elsewhere),
+             "truncated.json": json.dumps(summary)[:100],
+             "list.json": "[1, 2]"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        assert main(["plan", "--plan", "dry", "--world", str(tmp / "world"), "--done", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--done {tmp_path / name}" in err, err
+
+
 def test_data2x_seeds_plan_completes_the_teacher_ladder_on_five_seeds():
     """With ``data2x`` (its two runs cut by time replaced by the reruns), every teacher size has seeds 0-4."""
     data2x, more = PLANS["data2x"](), PLANS["data2x-seeds"]()
