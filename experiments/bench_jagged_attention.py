@@ -514,6 +514,30 @@ def teacher_times(b: dict, rep: int) -> dict:
     return {"fwd_ms": fwd, "bwd_ms": bwd, "fwdbwd_ms": both}
 
 
+def kernel_times(b: dict, calls: int = 5) -> dict[str, float]:
+    """Milliseconds per forward+backward call of each kernel (CUDA) or operator (CPU dry run), by ``torch.profiler``
+    over ``calls`` calls after a warm-up: which of the three passes a change moved."""
+    q, k, v, offsets, n, options = b["q"], b["k"], b["v"], b["offsets"], b["n"], b["options"]
+    upstream = None
+    for _ in range(2):
+        out = tri_attention(q, k, v, offsets, n, **options)
+        upstream = torch.randn_like(out) if upstream is None else upstream
+        out.backward(upstream)
+    cuda = DEVICE == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            tri_attention(q, k, v, offsets, n, **options).backward(upstream)
+        if cuda:
+            torch.cuda.synchronize()
+    for x in b["grads"]:
+        x.grad = None
+    times = {e.key: (e.device_time_total if cuda else e.self_cpu_time_total) / calls / 1000 for e in prof.key_averages()}
+    return dict(sorted(((name, ms) for name, ms in times.items() if ms > 0), key=lambda item: -item[1]))
+
+
 def teacher_row(n: int, kind: str, lengths: list[int], rounds: dict) -> dict:
     """Medians over rounds, TFLOP/s on valid pairs, and the biased/unbiased time ratios."""
     offsets = offsets_of(lengths)
@@ -541,8 +565,10 @@ def fmt_teacher(r: dict) -> str:
     return f"teacher N={r['N']:5d} {r['lengths']:6s} B={r['B']:4d} | " + " | ".join(parts)
 
 
-def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, rep: int) -> tuple[list, list]:
-    """Checks, then ``repeats`` rounds of unbiased and biased timings (alternating, so drift hits both)."""
+def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, rep: int,
+                  profile: bool = False) -> tuple[list, list]:
+    """Checks, then ``repeats`` rounds of unbiased and biased timings (alternating, so drift hits both); with
+    ``profile`` each row also gets each variant's per-kernel times (:func:`kernel_times`)."""
     gen = torch.Generator().manual_seed(5)
     dgen = torch.Generator(DEVICE).manual_seed(5)
     checks, rows = [], []
@@ -559,6 +585,12 @@ def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, re
                     rounds[variant].append(teacher_times(b, rep))
             rows.append(teacher_row(n, kind, lengths, rounds))
             print(fmt_teacher(rows[-1]), flush=True)
+            if profile:
+                for variant, b in batches.items():
+                    rows[-1][f"{variant}_kernels_ms"] = kernel_times(b)
+                    top = list(rows[-1][f"{variant}_kernels_ms"].items())[:4]
+                    print(f"  {variant} per call: " + ", ".join(f"{name[:40]} {ms:.3f} ms" for name, ms in top),
+                          flush=True)
             del batches
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
@@ -606,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-tokens", type=int, default=65536, help="tokens per teacher batch (B = tokens / N)")
     parser.add_argument("--repeats", type=int, default=3, help="teacher timing rounds; rows report their median")
     parser.add_argument("--rep", type=int, default=100, help="do_bench milliseconds per timing")
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="teacher rows: also each kernel's time per forward+backward call (torch.profiler)")
     parser.add_argument("--write-tuned", type=str, default=None, metavar="PATH",
                         help="write the checked-in table plus this run's autotuner picks here (then copy it to "
                              "kernels/triton/tuned_configs.json)")
@@ -661,7 +695,8 @@ def main_teacher(args, meta: dict) -> int:
         jobs = [("warm-teacher", f"N={n} biased={b}", dict(n=n, biased=b)) for n in args.teacher_n for b in (False, True)]
         run_parallel(jobs, args.workers)
         print(f"compiled in parallel: {time.perf_counter() - start:.0f} s", flush=True)
-    checks, rows = bench_teacher(args.teacher_n, args.teacher_lengths, args.teacher_tokens, args.repeats, args.rep)
+    checks, rows = bench_teacher(args.teacher_n, args.teacher_lengths, args.teacher_tokens, args.repeats, args.rep,
+                                 args.kernel_profile)
     meta["wall_s"] = time.perf_counter() - start
     if args.write_tuned and DEVICE == "cuda":
         path = Path(args.write_tuned)
