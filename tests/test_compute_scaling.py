@@ -289,7 +289,13 @@ def test_data_fresh_plan_reads_as_many_rows_as_data_passes_all_distinct(tmp_path
     assert plan.world.num_examples == 2 * passes.world.num_examples == 4_000_000
     assert plan.world.num_users == passes.world.num_users
     assert dataclasses.replace(plan.world, num_examples=passes.world.num_examples) == passes.world
-    assert plan.sizes == passes.sizes and plan.seeds == passes.seeds and plan.schedule == passes.schedule
+    assert set(passes.sizes) < set(plan.sizes) and plan.seeds == passes.seeds and plan.schedule == passes.schedule
+    # Plus the ends of data2x's ladders: the figure (>= 4 teacher sizes over >= 10x FLOPs, >= 3 DLRM sizes).
+    schema = build_schema(plan.world)
+    offsets = torch.tensor([0, 20, 120, 446, 1470])
+    flops = [flops_per_example(s, schema, offsets) for s in plan.sizes if s.family == "teacher"]
+    assert len(flops) == 4 and flops == sorted(flops) and flops[-1] > 10 * flops[0]
+    assert len([s for s in plan.sizes if s.family == "dlrm"]) == 3
     assert plan.passes == 1 and plan.split_rows == 0
     assert 0.99 * passes.train_rows < plan.train_rows < 2 * WORLD_TRAIN_ROWS * 0.995
     assert "4M impressions" in plan.label and "one pass" in plan.label and "2 passes" not in plan.label
