@@ -535,6 +535,8 @@ def data_fresh_plan() -> Plan:
         world=world,
         sizes=tuple(s for s in data2x_plan().sizes if f"{s.family}-{s.name}" in keep),
         steps=steps,
+        # Three runs at once each took about their time alone (16 cores, two loaders per run); more is unmeasured.
+        cost=dataclasses.replace(passes.cost, overlap=3.0),
         shard_weights=(1.0,) * 5,
         passes=1,
         split_rows=0,
