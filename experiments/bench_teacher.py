@@ -56,7 +56,8 @@ a proxy for the GPU step's host work. Trailing ``field=value`` arguments overrid
 ``--precompile`` (default on CUDA) records the first batch's Triton launches before its step and compiles them in
 ``--precompile-workers`` processes started before the model build (:mod:`gem.precompile`,
 :mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one after another inside
-the first step; ``precompile_s`` (recording and compiling) is part of the first step's time. After the first step
+the first step; ``precompile_s`` (recording and compiling) is part of the first step's time
+(``first_step_parts``: the first batch's wait, the precompile and the step itself). After the first step
 one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
 in Triton's cache: what the precompile missed). A precompile that compiled every kernel leaves a manifest in the
 cache, keyed by what decides the step's kernels (:func:`precompile_key`); a later run of the same step on that cache
@@ -200,6 +201,8 @@ def train(
     for batch in batches:
         if len(times) == args.steps:
             break
+        if "first_step_parts" not in marks:
+            marks["first_step_parts"] = {"batch_wait_s": time.perf_counter() - last}
         flops.append(model.flops(batch))  # on the host copy: no device sync; real rows of a padded batch
         real = batch.real_rows if isinstance(batch, PaddedBatch) else batch.batch_size
         tokens.append(int(batch.offsets[real]))
@@ -215,6 +218,7 @@ def train(
                 pool.close()
         first = "first_step_process_s" not in marks
         cached = cache_entries() if first else frozenset()
+        step_start = time.perf_counter()
         loss = step(batch)
         now = time.perf_counter()
         losses.append(float(loss.detach()))
@@ -226,6 +230,10 @@ def train(
             marks["first_step_process_s"] = process_age_s()
             marks["first_step_from_build_s"] = now - marks["build_start"]
             marks["first_step_compiled"] = compiled_since(cached)
+            # Where a cold first step goes: waiting for its batch, the precompile, and the step itself (its kernels'
+            # first launches, a graph's warm-up and capture, in-process compiles).
+            marks["first_step_parts"].update(precompile_s=precompile_seconds(marks.get("precompile")),
+                                             step_s=now - step_start)
             log_line(compiled_line("first step", marks["first_step_compiled"]))
         print(
             f"step {len(times):4d}  {times[-1] * 1e3:8.1f} ms  rows {rows[-1]:5d}  tokens {tokens[-1]:7d}"
@@ -502,6 +510,7 @@ def run(args: argparse.Namespace) -> dict:
             "first_step_from_build_s": marks.get("first_step_from_build_s"),
             "precompile": marks.get("precompile"),
             "first_step_compiled": marks.get("first_step_compiled"),
+            "first_step_parts": marks.get("first_step_parts"),
             "precompile_s": precompile_seconds(marks.get("precompile")),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             **summarize(trace, args.warmup, peak),
