@@ -78,9 +78,9 @@ with ``--bundle DIR`` also ``DIR/summary-IofN.json`` (rewritten as each run ends
 **Shards.** ``--shard I/N`` takes the I-th of N groups of runs balanced by estimated time (longest first, each
 to the group with the lowest load per weight; weights from ``--weights``, else the plan's ``shard_weights``),
 a deterministic split of the same plan; ``--done SUMMARY..`` first leaves out the runs those summaries hold
-trained to their schedule's end, so the rest of a half-run plan can be split over fewer calls. The estimate (:func:`estimated_seconds`, :class:`CostModel`) is each
-run's seconds alone and its GPU seconds; a shard takes the larger of its GPU seconds and its seconds over the
-overlap.
+trained to their schedule's end, so the rest of a half-run plan can be split over fewer calls. The estimate
+(:func:`estimated_seconds`, :class:`CostModel`) is each run's seconds alone and its GPU seconds; a shard takes the
+larger of its GPU seconds and its seconds over the overlap.
 
 **Summary rows** (one per model and size over its seeds, the format of ``docs/results/teacher_vs_dlrm.json``):
 ``model``, ``size``, ``seeds``, ``parameters``, ``flops_per_example`` (training FLOPs per row),

@@ -39,8 +39,9 @@ _TIME_DIV = tl.constexpr(TIME_BUCKET_DIVISOR)
 _LOG2_TO_BUCKET = f"0f{struct.unpack('<I', struct.pack('<f', math.log(2.0) / TIME_BUCKET_DIVISOR))[0]:08X}"
 
 # ``floor`` of a float in [0, 2**23) is the low mantissa bits of ``x + 2**23`` added rounding toward zero,
-# so the bucket's multiply and floor are one ``fma.rz`` (no conversion on the quarter-rate pipe); the
-# logarithm of a value >= 1 is >= 0, so only the clamp to the last bucket remains, as an integer minimum.
+# so the bucket's multiply and floor are one ``fma.rz`` (no conversion on the quarter-rate pipe). ``|dt|`` is
+# an integer, so the logarithm is 0 at 1 (``lg2.approx`` is exact there; every diagonal score checks it) and
+# >= 1 beyond: no clamp at 0, only the one to the last bucket, as an integer minimum.
 _BUCKET_ASM = tl.constexpr(
     "{ .reg .f32 t; .reg .b32 u; "
     "abs.ftz.f32 t, $1; max.ftz.f32 t, t, 0f3F800000; lg2.approx.ftz.f32 t, t; "
