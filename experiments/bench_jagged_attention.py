@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from experiments.kernel_groups import kernel_breakdown
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import (
     jagged_attention as ref_backend,
@@ -515,8 +516,9 @@ def teacher_times(b: dict, rep: int) -> dict:
 
 
 def kernel_times(b: dict, calls: int = 5) -> dict[str, float]:
-    """Milliseconds per forward+backward call of each kernel (CUDA) or operator (CPU dry run), by ``torch.profiler``
-    over ``calls`` calls after a warm-up: which of the three passes a change moved."""
+    """Milliseconds per forward+backward call of each kernel (CUDA) or operator (CPU dry run), slowest first: the
+    busiest entries of :func:`experiments.kernel_groups.kernel_breakdown` over ``calls`` calls after a warm-up, to
+    see which of the three passes a change moved."""
     q, k, v, offsets, n, options = b["q"], b["k"], b["v"], b["offsets"], b["n"], b["options"]
     upstream = None
     for _ in range(2):
@@ -524,18 +526,20 @@ def kernel_times(b: dict, calls: int = 5) -> dict[str, float]:
         upstream = torch.randn_like(out) if upstream is None else upstream
         out.backward(upstream)
     cuda = DEVICE == "cuda"
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[activity]) as prof:
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _ in range(calls):
             tri_attention(q, k, v, offsets, n, **options).backward(upstream)
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     for x in b["grads"]:
         x.grad = None
-    times = {e.key: (e.device_time_total if cuda else e.self_cpu_time_total) / calls / 1000 for e in prof.key_averages()}
-    return dict(sorted(((name, ms) for name, ms in times.items() if ms > 0), key=lambda item: -item[1]))
+    busiest = kernel_breakdown(prof.events(), on_device=cuda, steps=calls, wall_s=wall)["top_kernels"]
+    return {kernel["name"]: kernel["ms_per_step"] for kernel in busiest if kernel["ms_per_step"] > 0}
 
 
 def teacher_row(n: int, kind: str, lengths: list[int], rounds: dict) -> dict:
