@@ -88,7 +88,8 @@ def position_index(qi, kj, n_hist, P_SIZE, ORDERED: tl.constexpr = False, FITS: 
     """Position-table index of broadcastable query and key positions (targets sit at ``n_hist``). ``ORDERED``:
     every key is a history event at or before its query (a causal tile without masks), so the distance needs
     neither the keys' clamp nor its absolute value. ``FITS``: the table is longer than any distance of the call,
-    so the clamp to its last entry never binds. Each saves instructions per score, which bound the biased tiles."""
+    so the clamp to its last entry never binds. Each saves instructions per score, which bound the forward's and
+    dK/dV's biased tiles (not dQ's, which uses neither)."""
     if ORDERED:
         distance = tl.minimum(qi, n_hist) - kj
     else:
@@ -143,16 +144,14 @@ def row_time_buckets(ts_rows, ts_cols, rows_ok, cols_ok, T_SIZE, PTX: tl.constex
 
 @triton.jit
 def add_bias_rows(s, pos_rows, pos_cols, n_hist, ts_rows, ts_cols, rows_ok, cols_ok, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-                  scale, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, PTX: tl.constexpr, ORDERED: tl.constexpr = False,
-                  FITS: tl.constexpr = False):
+                  scale, HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, PTX: tl.constexpr):
     """:func:`add_bias` for a tile given as vectors of its rows' (``[M]``) and columns' (``[N]``) positions and
     times, either orientation; returns ``(s, bucket[M, N], row_bucket[M], uniform)``. Where
     :func:`row_time_buckets` finds the tile uniform the time bias is one table read per row, added to the whole
     row, and ``bucket`` is ``row_bucket`` broadcast; otherwise every score takes its own, as in :func:`add_bias`.
     """
     if HAS_PB:
-        s += gather(pb_ptr, position_index(pos_rows[:, None], pos_cols[None, :], n_hist, P_SIZE, ORDERED, FITS),
-                    PTX) * scale
+        s += gather(pb_ptr, position_index(pos_rows[:, None], pos_cols[None, :], n_hist, P_SIZE), PTX) * scale
     row_bucket = pos_rows * 0
     uniform = tl.max(row_bucket, 0) != 0
     bucket = row_bucket[:, None] + pos_cols[None, :] * 0

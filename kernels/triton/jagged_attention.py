@@ -331,8 +331,7 @@ def _bwd_dq_tiles(
     ts_m, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
     m_start, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
-    PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -349,11 +348,11 @@ def _bwd_dq_tiles(
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
             if MASKED:
                 s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
-                                     pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX, False, POS_FITS)
+                                     pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
             else:
                 s, bucket, row_bucket, uniform = add_bias_rows(
                     s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-                    bias_scale, HAS_PB, HAS_TB, PTX, CAUSAL, POS_FITS,
+                    bias_scale, HAS_PB, HAS_TB, PTX,
                 )
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
@@ -391,7 +390,7 @@ def _bwd_dq_kernel(
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
     AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -440,14 +439,14 @@ def _bwd_dq_kernel(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     if DETERMINISTIC:
@@ -921,7 +920,10 @@ class _JaggedAttentionFn(torch.autograd.Function):
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
-        dq_kwargs = {**scalars, **meta, **_table_grad_variant(pos_bias, time_bias)}
+        # The dQ pass indexes the position table without POS_FITS's shortcuts: its time is not bound by the
+        # instructions they save, and there they measured slower (docs/benchmarks.md, session 22).
+        dq_meta = {key: value for key, value in meta.items() if key != "POS_FITS"}
+        dq_kwargs = {**scalars, **dq_meta, **_table_grad_variant(pos_bias, time_bias)}
         (dpb_t, dtb_t), tables, table_grads = _table_grad_buffers(q, pos_bias, time_bias, call, dq_kwargs)
         delta = torch.empty_like(lse) if call.act == "softmax" else lse
         if call.act == "softmax" and q.shape[0] > 0:

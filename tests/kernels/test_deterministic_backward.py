@@ -30,7 +30,7 @@ import re, sys, triton
 from experiments.kernel_sass import compile_sm90
 from kernels.triton.jagged_attention import _bwd_dq_kernel
 det = sys.argv[1] == "1"
-constexprs = dict(ACT=1, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=True, HAS_TB=True, POS_FITS=True, FAST=True,
+constexprs = dict(ACT=1, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=True, HAS_TB=True, FAST=True,
                   PTX=True, DQK=64, DV=64, BLOCK_DQK=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=32, DETERMINISTIC=det,
                   BLOCK_T=128 if det else 16)
 config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
