@@ -55,6 +55,9 @@ def test_layer_norm_reference_is_eager_layer_norm_then_gate():
         (5, 128, torch.float16, False, 3.0, torch.float16),
         (8, 96, torch.bfloat16, True, 0.7, torch.bfloat16),  # the HSTU attention norm's dtypes on the GPU
         (0, 40, torch.float32, True, 1.0, None),
+        # the backward over several programs of many rows each, the last program short
+        (301, 100, torch.float32, True, 0.5, None),
+        (75, 1000, torch.float32, True, 1.0, torch.bfloat16),
     ],
 )
 def test_layer_norm_triton_matches_reference(rows, n, dtype, with_gate, scale, out_dtype):

@@ -158,6 +158,7 @@ def test_residual_layer_norm_reference_is_add_then_layer_norm():
         (0, 40, torch.float32, None),  # no tokens
         (9, 100, torch.float16, torch.float16),
         (7, 96, torch.bfloat16, torch.bfloat16),  # the teacher's dtypes under autocast on the GPU
+        (203, 72, torch.float32, None),  # the backward over several programs, the last one short
     ],
 )
 @pytest.mark.parametrize("stream_used", [True, False])  # the sum read downstream (the residual stream) or not
