@@ -124,6 +124,9 @@ def test_combine_merge_and_plot_from_the_bundle(dry, tmp_path):
     png = tmp_path / "docs" / "scaling.png"
     assert main(["plot", str(tmp_path / "s.json"), str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Runs cut by their time budget (drawn hollow until a rerun replaces them) plot too.
+    assert main(["plot", str(tmp_path / "cut.json"), str(tmp_path / "cut.png")]) == 0
+    assert (tmp_path / "cut.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Another data budget on the same world beside it; a summary of another world is refused in one line.
     more = {**combined, "runs": [{**r, "train_rows": 2 * r["train_rows"]} for r in combined["runs"]]}
     assert rows_label(more) == f"{2 * combined['runs'][0]['train_rows'] / 1000:.0f}k rows"
