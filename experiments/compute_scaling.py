@@ -1093,7 +1093,6 @@ def plot(summary_path: Path, png: Path, also: tuple[Path, ...] = ()) -> None:
         raise ValueError(f"{[str(p) for p in (summary_path, *also)]}: summaries of different worlds")
     summary = summaries[0]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    cut_shown = False
     for index, part in enumerate(summaries):
         style, rows_text = ("-", "--", ":")[index % 3], rows_label(part)
         for family, color in zip(FAMILIES, ("tab:blue", "tab:orange"), strict=True):
@@ -1108,7 +1107,6 @@ def plot(summary_path: Path, png: Path, also: tuple[Path, ...] = ()) -> None:
                 ax.scatter([r["train_flops_at_best"] for r in chosen], [r["test"]["click/ne"] for r in chosen],
                            color=color, alpha=0.35 if not cut else 0.8, s=14 if not cut else 22,
                            facecolors="none" if cut else color)
-                cut_shown = cut_shown or (cut and bool(chosen))
             ax.errorbar([g["train_flops"] for g in rows], [g["click_ne_mean"] for g in rows],
                         yerr=[g["click_ne_std"] for g in rows], color=color, marker="o", capsize=3,
                         linestyle=style, label=f"{family}, {rows_text}" if also else family)
@@ -1125,7 +1123,7 @@ def plot(summary_path: Path, png: Path, also: tuple[Path, ...] = ()) -> None:
             ax.axhline(oracle, color="grey", linestyle="--", linewidth=1, label="oracle (true probabilities)")
         else:  # a line that far below would squash the curves into a band: its value goes in the legend instead
             ax.plot([], [], color="grey", linestyle="--", linewidth=1, label=f"oracle (true probabilities): {oracle:.4f}")
-    if cut_shown:
+    if any(r.get("stopped_by") == "time" and "test" in r and not r.get("probe") for p in summaries for r in p["runs"]):
         ax.scatter([], [], facecolors="none", edgecolors="grey", s=22, label="seed cut by its time budget")
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
