@@ -115,7 +115,7 @@ import multiprocessing
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -921,15 +921,18 @@ def _draw_impressions(
 
 
 class _ShardWriter:
-    """Buffers one split's rows and writes them as ``rows_per_shard``-row shards, in arrival order."""
+    """Buffers one split's rows and writes them as ``rows_per_shard``-row shards, in arrival order.
 
-    def __init__(self, out_dir: Path, split: str, rows_per_shard: int, arrow_schema: pa.Schema):
-        self.out_dir, self.split, self.rows_per_shard, self.schema = (
-            out_dir,
-            split,
-            rows_per_shard,
-            arrow_schema,
-        )
+    Each shard is encoded and hashed on ``pool`` (Parquet's zstd and SHA-256 release the GIL), so the process that
+    draws nothing but collects blocks is not held up by the slowest step of the world; at most ``ahead`` shards are
+    pending, which bounds memory. The shards and their boundaries are the same as written one after another.
+    """
+
+    def __init__(self, out_dir: Path, split: str, rows_per_shard: int, arrow_schema: pa.Schema,
+                 pool: Executor, ahead: int):
+        self.out_dir, self.split, self.rows_per_shard, self.schema = out_dir, split, rows_per_shard, arrow_schema
+        self.pool, self.ahead = pool, ahead
+        self.pending: deque[Future] = deque()
         self.buffer: list[pa.Table] = []
         self.buffered = 0
         self.shards = 0
@@ -941,14 +944,20 @@ class _ShardWriter:
             self._write(self.rows_per_shard)
 
     def close(self) -> None:
+        """Write the last (short) shard and wait for every pending one; a failed write raises here."""
         # An empty split still gets one (empty) shard, so every split of the layout exists.
         if self.buffered or not self.shards:
             self._write(self.buffered)
+        while self.pending:
+            self.pending.popleft().result()
 
     def _write(self, rows: int) -> None:
         table = pa.concat_tables(self.buffer) if self.buffer else self.schema.empty_table()
         shard, rest = table.slice(0, rows), table.slice(rows)
-        write_table(shard.cast(self.schema), shard_path(self.out_dir, self.split, self.shards))
+        path = shard_path(self.out_dir, self.split, self.shards)
+        self.pending.append(self.pool.submit(lambda: write_table(shard.cast(self.schema), path)))
+        while len(self.pending) > self.ahead:
+            self.pending.popleft().result()
         self.shards += 1
         self.buffer = [rest] if rest.num_rows else []
         self.buffered = rest.num_rows
@@ -1052,8 +1061,10 @@ def _draw_block(
     first_ids: np.ndarray,
     split_at: np.ndarray,
     block: int,
-) -> tuple[dict[str, np.ndarray], pa.Table, np.ndarray]:
-    """The impressions of users block ``block``: their arrays, their table and each row's split (0/1/2)."""
+) -> tuple[dict[str, np.ndarray], np.ndarray, list[pa.Table]]:
+    """The impressions of users block ``block``: their arrays, each row's split (0/1/2) and one table per split.
+
+    The split happens here, in the worker, so that the process writing the shards only concatenates and slices."""
     lo = block * cfg.users_per_block
     ids = np.arange(lo, min(lo + cfg.users_per_block, cfg.num_users))
     rng = np.random.default_rng([cfg.seed, 2, block])
@@ -1062,7 +1073,8 @@ def _draw_block(
     users = _draw_users(rng, world, ids)
     events = _draw_events(rng, world, users, n_pre[ids], rate[ids], sequence_rng)
     arrays, table = _draw_impressions(rng, world, users, events, rows[ids], int(first_ids[lo]), sequence_rng)
-    return arrays, table, np.searchsorted(split_at, arrays["seconds"], side="right")
+    split = np.searchsorted(split_at, arrays["seconds"], side="right")
+    return arrays, split, [table.take(np.flatnonzero(split == s)) for s in range(len(SPLITS))]
 
 
 _worker_draw: Callable[[int], object] | None = None
@@ -1128,21 +1140,22 @@ def generate_world(cfg: SynthConfig, out_dir: str | Path, *, progress: bool = Tr
     first_ids = np.concatenate([[0], np.cumsum(rows)])
     frac = np.cumsum(cfg.split_fractions)
     split_at = np.floor(frac[:2] * cfg.window_days * DAY).astype(np.int64)
-    writers = [_ShardWriter(out_dir, s, cfg.rows_per_shard, arrow_schema) for s in SPLITS]
     stats = _Stats(cfg)
+    threads = max(1, min(workers, 8))
+    pool = ThreadPoolExecutor(threads)
+    writers = [_ShardWriter(out_dir, s, cfg.rows_per_shard, arrow_schema, pool, 2 * threads) for s in SPLITS]
 
     draw = functools.partial(_draw_block, cfg, world, n_pre, rate, rows, first_ids, split_at)
     num_blocks = -(-cfg.num_users // cfg.users_per_block)
-    with tqdm(total=cfg.num_examples, unit="row", desc="synthetic world", disable=not progress) as bar:
-        for arrays, table, split in _in_order(draw, num_blocks, workers):
+    with pool, tqdm(total=cfg.num_examples, unit="row", desc="synthetic world", disable=not progress) as bar:
+        for arrays, split, tables in _in_order(draw, num_blocks, workers):
             stats.add(arrays, split)
-            for s, writer in enumerate(writers):
-                idx = np.flatnonzero(split == s)
-                if len(idx):
-                    writer.add(table.take(idx))
-            bar.update(table.num_rows)
-    for writer in writers:
-        writer.close()
+            for writer, table in zip(writers, tables, strict=True):
+                if table.num_rows:
+                    writer.add(table)
+            bar.update(len(split))
+        for writer in writers:
+            writer.close()
     summary = stats.summary(cfg, time.perf_counter() - start_time)
     summary["shards"] = dict(zip(SPLITS, [w.shards for w in writers], strict=True))
     summary["bytes_on_disk"] = sum(p.stat().st_size for s in SPLITS for p in (out_dir / s).glob("*.parquet"))
