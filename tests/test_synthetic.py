@@ -63,6 +63,29 @@ def test_same_seed_same_rows_and_other_seed_differs(tmp_path):
     )
 
 
+def test_a_failed_shard_write_fails_the_world_and_leaves_it_unmarked(tmp_path, monkeypatch):
+    """Shards are written on a thread pool: a write that fails there (the disk full) still stops the world, and the
+    dataset is left without ``schema.json``, so no reader takes it for complete."""
+    import errno
+
+    import foundation.data.synthetic as synthetic
+
+    written = []
+
+    def write_until_full(table, path):
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(path)
+        return real_write(table, path)
+
+    real_write = synthetic.write_table
+    monkeypatch.setattr(synthetic, "write_table", write_until_full)
+    with pytest.raises(OSError, match="No space left"):
+        generate_world(synth_preset("debug", **SMALL), tmp_path / "w", progress=False, workers=2)
+    assert len(written) == 2
+    assert not (tmp_path / "w" / "schema.json").exists()
+
+
 def test_schema_and_every_row_valid(world):
     cfg, path, stats = world
     schema = EventSchema.load(path)
