@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+import foundation.data.synthetic as synthetic
 from foundation.config import ConfigError
 from foundation.data.io import list_shards, open_shard
 from foundation.data.schema import EventSchema
@@ -66,16 +70,13 @@ def test_same_seed_same_rows_and_other_seed_differs(tmp_path):
 def test_a_failed_shard_write_fails_the_world_and_leaves_it_unmarked(tmp_path, monkeypatch):
     """Shards are written on a thread pool: a write that fails there (the disk full) still stops the world, and the
     dataset is left without ``schema.json``, so no reader takes it for complete."""
-    import errno
-
-    import foundation.data.synthetic as synthetic
-
-    written = []
+    written, lock = [], threading.Lock()
 
     def write_until_full(table, path):
-        if len(written) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        written.append(path)
+        with lock:  # the pool's threads count the writes: check and count as one step
+            if len(written) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            written.append(path)
         return real_write(table, path)
 
     real_write = synthetic.write_table

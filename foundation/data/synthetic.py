@@ -923,9 +923,9 @@ def _draw_impressions(
 class _ShardWriter:
     """Buffers one split's rows and writes them as ``rows_per_shard``-row shards, in arrival order.
 
-    Each shard is encoded and hashed on ``pool`` (Parquet's zstd and SHA-256 release the GIL), so the process that
-    draws nothing but collects blocks is not held up by the slowest step of the world; at most ``ahead`` shards are
-    pending, which bounds memory. The shards and their boundaries are the same as written one after another.
+    Each shard is encoded and hashed on ``pool`` (Parquet's zstd and SHA-256 release the GIL), so the one process
+    collecting the blocks does not encode them one after another; at most ``ahead`` shards are pending, which bounds
+    memory. The shards and their boundaries are the same as when written in turn.
     """
 
     def __init__(self, out_dir: Path, split: str, rows_per_shard: int, arrow_schema: pa.Schema,
