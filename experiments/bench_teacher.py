@@ -136,6 +136,8 @@ from kernels.precompile import (  # noqa: E402
     skip_reason,
 )
 from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
+from kernels.triton import jagged_attention as triton_attention  # noqa: E402
+from kernels.triton.configs import TUNED_PATH, write_tuned  # noqa: E402
 
 PRECISIONS = {"bf16": "bf16-mixed", "fp32": "32-true"}
 
@@ -215,7 +217,7 @@ def train(
                 pool=pool, workers=args.precompile_workers or None, key=key, log=log_line,
             )
             if pool is not None:
-                pool.close()
+                pool.close(wait=False)
         first = "first_step_process_s" not in marks
         cached = cache_entries() if first else frozenset()
         step_start = time.perf_counter()
@@ -230,11 +232,19 @@ def train(
             marks["first_step_process_s"] = process_age_s()
             marks["first_step_from_build_s"] = now - marks["build_start"]
             marks["first_step_compiled"] = compiled_since(cached)
-            # Where a cold first step goes: waiting for its batch, the precompile, and the step itself (its kernels'
-            # first launches, a graph's warm-up and capture, in-process compiles).
-            marks["first_step_parts"].update(precompile_s=precompile_seconds(marks.get("precompile")),
-                                             step_s=now - step_start)
+            marks["first_step_autotuned"] = sorted(triton_attention.TUNED)
+            # Where a cold first step goes: the build (from its start: the loader and compile pool start too),
+            # waiting for the batch, the precompile, the step itself (its kernels' first launches, autotuning, a
+            # graph's warm-up and capture, in-process compiles) and the rest (the batch's copy to the device,
+            # the FLOP count, between the parts).
+            parts = marks["first_step_parts"]
+            parts.update(build_s=marks["build_s"], precompile_s=precompile_seconds(marks.get("precompile")),
+                         step_s=now - step_start)
+            parts["other_s"] = marks["first_step_from_build_s"] - sum(v or 0.0 for v in parts.values())
             log_line(compiled_line("first step", marks["first_step_compiled"]))
+            if marks["first_step_autotuned"]:
+                log_line(f"first step: {len(marks['first_step_autotuned'])} attention launches autotuned (no "
+                         f"checked-in config: --write-tuned adds them), first {marks['first_step_autotuned'][0]}")
         print(
             f"step {len(times):4d}  {times[-1] * 1e3:8.1f} ms  rows {rows[-1]:5d}  tokens {tokens[-1]:7d}"
             f"  max_len {max_lens[-1]:5d}  loss {losses[-1]:.4f}",
@@ -511,6 +521,7 @@ def run(args: argparse.Namespace) -> dict:
             "precompile": marks.get("precompile"),
             "first_step_compiled": marks.get("first_step_compiled"),
             "first_step_parts": marks.get("first_step_parts"),
+            "first_step_autotuned": marks.get("first_step_autotuned"),
             "precompile_s": precompile_seconds(marks.get("precompile")),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             **summarize(trace, args.warmup, peak),
@@ -574,6 +585,15 @@ def precompile_key(
         f"cast_once {args.cast_once}", f"bucketed {args.bucketed}",
     ]
     return step_key(identity, autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None, device=device)
+
+
+def save_tuned(path: Path) -> None:
+    """Adds this process's autotuned attention picks to the table at ``path`` (a copy of the checked-in one when
+    absent), for this GPU and Triton version."""
+    if not path.exists() and TUNED_PATH.exists():
+        path.write_text(TUNED_PATH.read_text())
+    write_tuned(triton_attention.TUNED, torch.device("cuda"), path)
+    print(f"wrote {len(triton_attention.TUNED)} autotuned picks to {path}", flush=True)
 
 
 def precompile_seconds(report: dict | None) -> float | None:
@@ -652,6 +672,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--precompile-workers", type=int, default=0, help="compile processes (0: min(16, CPU count))"
     )
     parser.add_argument(
+        "--write-tuned", default=None, metavar="PATH",
+        help="after the run, add the attention configs the autotuner picked to this copy of the checked-in table "
+        f"(created from {TUNED_PATH.name} when absent; copy it over that file to check them in)",
+    )
+    parser.add_argument(
         "--count-ops", type=int, default=0, metavar="N",
         help="after the timed steps, count the ATen operators and Triton launches of N steps, then time the host of N more",
     )
@@ -679,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--compare-losses: {args.compare_losses} does not exist")
     command = command_line(argv)
     result = run(args)
+    if args.write_tuned and triton_attention.TUNED:
+        save_tuned(Path(args.write_tuned))
     if args.compare_losses:
         result["loss_comparison"] = compare_losses(result["trace"], args.compare_losses)
     result["command"] = command

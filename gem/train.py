@@ -143,7 +143,7 @@ class PrecompileKernels(L.Callback):
                 forward=lambda b: pl_module.forward_batch(b, split), pool=self.pool, key=self.key, log=_log.info,
             )
         finally:
-            self.close()
+            self.close(wait=False)
         # After a skip on the manifest too: the line after the step shows whether the cache held what it said.
         if self.report is not None and (not self.report["skipped"] or self.report["cached"]):
             self.cached = cache_entries()
@@ -160,9 +160,10 @@ class PrecompileKernels(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Ends the workers; ``wait=False`` before the first step, which need not wait for them to exit."""
         if self.pool is not None:
-            self.pool.close()
+            self.pool.close(wait=wait)
             self.pool = None
 
 

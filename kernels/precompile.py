@@ -258,6 +258,7 @@ class KernelCompilePool:
             subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             for _ in range(self.workers)
         ]
+        self.reaper: threading.Thread | None = None
 
     def compile(self, specs: Sequence[LaunchSpec], *, timeout_s: float = COMPILE_TIMEOUT_S) -> PrecompileReport:
         """Compile ``specs`` (costliest first, see :func:`_cost`), wait for them, report; never raises. Workers still
@@ -289,15 +290,24 @@ class KernelCompilePool:
             entries=sorted({entry for _, _, entries in outcomes for entry in entries}),
         )
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S, *, wait: bool = True) -> None:
         """Stop the workers: each is told to exit (end of input is not enough: a process forked after the pool
         started, e.g. a DataLoader worker, holds copies of the pipes' write ends), and those still running after
-        ``timeout_s`` in all are killed."""
+        ``timeout_s`` in all are killed. With ``wait=False`` the waiting and killing happen on a daemon thread
+        (:attr:`reaper`): a worker's interpreter (torch, Triton, a CUDA context) takes a while to tear down, and a
+        caller about to run its first step need not wait for that."""
         for process in self.processes:
             with contextlib.suppress(OSError, ValueError):
                 _send(process.stdin, STOP)
             with contextlib.suppress(OSError):
                 process.stdin.close()
+        if wait:
+            self._reap(timeout_s)
+        elif self.reaper is None:
+            self.reaper = threading.Thread(target=self._reap, args=(timeout_s,), daemon=True)
+            self.reaper.start()
+
+    def _reap(self, timeout_s: float) -> None:
         deadline = time.perf_counter() + timeout_s
         for process in self.processes:
             try:
@@ -374,7 +384,7 @@ def precompile(
         report = pool.compile(specs)
     finally:
         if owned:
-            pool.close()
+            pool.close(wait=False)
     log(summary_line(report))
     if key is not None and not report.failed:
         write_manifest(key, report, log=log)

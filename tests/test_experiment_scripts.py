@@ -81,10 +81,14 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     assert bench_teacher.main([*argv, "--profile", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["steps_run"] == 2 and result["losses_finite"] and result["negatives"] == "batch"
-    # The first step's parts: its batch's wait and the step itself (no precompile on CPU), inside its time.
+    # The first step's parts: its batch's wait and the step itself (no precompile on CPU), inside its time; with
+    # the build and the rest they add up to the time from the build's start.
     parts = result["first_step_parts"]
     assert parts["precompile_s"] is None and parts["batch_wait_s"] >= 0 and parts["step_s"] > 0
     assert parts["batch_wait_s"] + parts["step_s"] <= result["first_step_ms"] / 1e3
+    assert parts["build_s"] == result["build_s"] and parts["other_s"] >= 0
+    assert sum(v or 0.0 for v in parts.values()) == pytest.approx(result["first_step_from_build_s"])
+    assert result["first_step_autotuned"] == []  # nothing tunes on the CPU
     profile = result["trace"]["profile"]
     assert "aten::" in profile["table"] and "Self CPU" in profile["table"]
     groups = profile["groups"]["groups_ms_per_step"]

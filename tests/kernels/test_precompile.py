@@ -226,6 +226,24 @@ def test_a_hung_worker_is_killed_at_the_deadline_and_its_specs_fail_in_one_line(
     assert any("timed out after 2 s" in failure for failure in report.failed)
 
 
+def test_closing_without_waiting_leaves_the_workers_exit_to_a_reaper(tmp_path, monkeypatch):
+    """Before the first step the caller does not wait for the workers' interpreters to tear down (here each
+    worker's exit handler sleeps 3 s); the reaper thread still sees every worker exit cleanly."""
+    (tmp_path / "slow_exit.py").write_text("import atexit\nimport time\n\natexit.register(time.sleep, 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pool = KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver", "slow_exit"])
+    spec = LaunchSpec("kernels.triton.layer_norm:no_such_kernel", (), (), ())
+    assert pool.compile([spec]).failed  # answered: the worker that took it is set up and waiting
+    start = time.perf_counter()
+    pool.close(wait=False)
+    returned = time.perf_counter() - start
+    assert all(process.poll() is None for process in pool.processes)
+    pool.reaper.join(60)
+    reaped = time.perf_counter() - start
+    assert [process.returncode for process in pool.processes] == [0, 0]
+    assert returned < 1.0 <= 3.0 <= reaped
+
+
 def test_nothing_compiles_in_the_interpreter(on_triton):
     lines: list[str] = []
     report = precompile([LaunchSpec("kernels.triton.layer_norm:_ln_fwd_kernel", (), (), ())], log=lines.append)
