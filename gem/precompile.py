@@ -112,7 +112,8 @@ def precompile_step(
     A logged no-op where nothing compiles (Triton's interpreter, no CUDA). Never raises: a kernel that fails to
     compile, or a step that fails to record (the real step will then meet the same error), costs one logged line,
     and the kernels compile at their launches, as without this. Returns ``{"specs", "launches", "record_s",
-    "compiled", "failed", "compile_s", "workers", "skipped", "cached"}`` (``cached``: skipped on the manifest).
+    "compiled", "failed", "compile_s", "workers", "skipped", "cached", "slowest"}`` (``cached``: skipped on the manifest;
+    ``slowest``: :attr:`kernels.precompile.PrecompileReport.slowest`).
     """
     reason = skip_reason(["step"])
     cached = False
@@ -128,7 +129,7 @@ def precompile_step(
     if reason:
         log(f"kernel precompile: skipped ({reason})")
         return {"specs": 0, "launches": 0, "record_s": 0.0, "compiled": 0, "failed": [], "compile_s": 0.0,
-                "workers": 0, "skipped": reason, "cached": cached}
+                "workers": 0, "skipped": reason, "cached": cached, "slowest": []}
     if batch.candidate.is_cuda:
         torch.cuda.synchronize(batch.candidate.device)
     record_s = time.perf_counter() - start
@@ -136,5 +137,5 @@ def precompile_step(
     return {
         "specs": len(record.specs), "launches": sum(record.launches.values()), "record_s": record_s,
         "compiled": report["compiled"], "failed": report["failed"], "compile_s": report["seconds"],
-        "workers": report["workers"], "skipped": report["skipped"], "cached": False,
+        "workers": report["workers"], "skipped": report["skipped"], "cached": False, "slowest": report["slowest"],
     }

@@ -205,7 +205,9 @@ def _binder(kernel) -> Callable:
 class PrecompileReport:
     """What :func:`precompile` did: specs compiled, failed (``kernel: error`` each) and its wall seconds; ``skipped``
     says why nothing was compiled (empty when the pool ran). ``entries``: the cache entries (directory names) the
-    workers' compiles wrote or read, sorted: what the step's launches will look up (:func:`write_manifest`)."""
+    workers' compiles wrote or read, sorted: what the step's launches will look up (:func:`write_manifest`).
+    ``slowest``: the specs that took longest, as ``(kernel, started, seconds)`` (``started``: when it was sent,
+    from the start of the compile; ``seconds``: until its worker answered, a worker's late set-up included)."""
 
     specs: int = 0
     compiled: int = 0
@@ -214,11 +216,12 @@ class PrecompileReport:
     workers: int = 0
     skipped: str = ""
     entries: list[str] = field(default_factory=list)
+    slowest: list[tuple[str, float, float]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
             "specs": self.specs, "compiled": self.compiled, "failed": list(self.failed), "seconds": self.seconds,
-            "workers": self.workers, "skipped": self.skipped,
+            "workers": self.workers, "skipped": self.skipped, "slowest": [list(s) for s in self.slowest],
         }
 
 
@@ -234,6 +237,7 @@ def default_workers() -> int:
 # Longer than a cold compile of every kernel a step launches, one after another.
 COMPILE_TIMEOUT_S = 300.0
 CLOSE_TIMEOUT_S = 10.0
+SLOWEST_REPORTED = 3
 STOP = "stop"  # what a worker reads as its last request
 
 
@@ -268,8 +272,10 @@ class KernelCompilePool:
         tasks: queue.SimpleQueue = queue.SimpleQueue()
         for spec in sorted(specs, key=_cost, reverse=True):
             tasks.put(spec)
-        outcomes: list[tuple[LaunchSpec, str | None, list[str]]] = []
-        threads = [threading.Thread(target=_serve, args=(p, tasks, outcomes), daemon=True) for p in self.processes]
+        outcomes: list[tuple[LaunchSpec, str | None, list[str], float, float]] = []
+        threads = [
+            threading.Thread(target=_serve, args=(p, tasks, outcomes, start), daemon=True) for p in self.processes
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -282,12 +288,14 @@ class KernelCompilePool:
                 thread.join()
         left = f"compile pool timed out after {timeout_s:g} s" if timed_out else "no compile worker left"
         while not tasks.empty():  # every worker died, or the pool timed out, before these
-            outcomes.append((tasks.get(), left, []))
-        failed = [f"{spec.name}: {error}" for spec, error, _ in outcomes if error is not None]
+            outcomes.append((tasks.get(), left, [], 0.0, 0.0))
+        failed = [f"{spec.name}: {error}" for spec, error, *_ in outcomes if error is not None]
+        slowest = sorted(outcomes, key=lambda outcome: outcome[4], reverse=True)[:SLOWEST_REPORTED]
         return PrecompileReport(
             specs=len(specs), compiled=len(outcomes) - len(failed), failed=failed,
             seconds=time.perf_counter() - start, workers=self.workers,
-            entries=sorted({entry for _, _, entries in outcomes for entry in entries}),
+            entries=sorted({entry for _, _, entries, *_ in outcomes for entry in entries}),
+            slowest=[(spec.name, round(sent, 3), round(took, 3)) for spec, _, _, sent, took in slowest],
         )
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S, *, wait: bool = True) -> None:
@@ -323,20 +331,23 @@ class KernelCompilePool:
         self.close()
 
 
-def _serve(process: subprocess.Popen, tasks: queue.SimpleQueue, outcomes: list) -> None:
-    """Feed ``process`` specs from ``tasks`` one at a time until none is left or the worker dies."""
+def _serve(process: subprocess.Popen, tasks: queue.SimpleQueue, outcomes: list, start: float) -> None:
+    """Feed ``process`` specs from ``tasks`` one at a time until none is left or the worker dies; each outcome
+    is ``(spec, error, entries, sent, seconds)``, ``sent`` counted from ``start``."""
     while True:
         try:
             spec = tasks.get_nowait()
         except queue.Empty:
             return
+        sent = time.perf_counter()
         try:
             _send(process.stdin, spec)
             error, entries = _receive(process.stdout)
-            outcomes.append((spec, error, entries))
+            outcomes.append((spec, error, entries, sent - start, time.perf_counter() - sent))
         except (OSError, EOFError, pickle.UnpicklingError) as err:
             code = process.poll()
-            outcomes.append((spec, f"compile worker died ({_one_line(err)}; exit code {code})", []))
+            died = f"compile worker died ({_one_line(err)}; exit code {code})"
+            outcomes.append((spec, died, [], sent - start, time.perf_counter() - sent))
             return
 
 

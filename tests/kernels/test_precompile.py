@@ -200,6 +200,9 @@ def test_the_pool_reports_failures_in_one_line():
     with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
         report = pool.compile([*record.specs, unknown])
     assert (report.specs, report.compiled, report.workers) == (2, 1, 2)
+    # Both specs timed, slowest first, from when each was sent.
+    assert sorted(name for name, _, _ in report.slowest) == ["_ln_fwd_kernel", "no_such_kernel"]
+    assert report.slowest[0][2] >= report.slowest[1][2] > 0 and all(0 <= sent < 60 for _, sent, _ in report.slowest)
     assert report.failed == ["no_such_kernel: LookupError: kernels.triton.layer_norm:no_such_kernel is not a Triton kernel"]
     line = summary_line(report)
     assert "\n" not in line and "1/2 specs" in line and "1 failed, first no_such_kernel" in line
