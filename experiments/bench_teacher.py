@@ -54,10 +54,11 @@ a proxy for the GPU step's host work. Trailing ``field=value`` arguments overrid
         --max-history 64 --data /tmp/world-small --backend triton --glue-backend triton
 
 ``--precompile`` (default on CUDA) records the first batch's Triton launches before its step and compiles them in
-``--precompile-workers`` processes started before the model build (:mod:`gem.precompile`,
-:mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one after another inside
-the first step; ``precompile_s`` (recording and compiling) is part of the first step's time
-(``first_step_parts``: the first batch's wait, the precompile and the step itself). After the first step
+``--precompile-workers`` processes started as the script starts, before it imports torch (:mod:`gem.compile_workers`,
+:mod:`gem.precompile`, :mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one
+after another inside the first step; ``precompile_s`` (recording and compiling) is part of the first step's time
+(``first_step_parts``: the build, the first batch's wait, the precompile, the step itself and the rest, adding up to
+the time from the build's start; ``precompile.slowest``: the specs that took longest). After the first step
 one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
 in Triton's cache: what the precompile missed). A precompile that compiled every kernel leaves a manifest in the
 cache, keyed by what decides the step's kernels (:func:`precompile_key`); a later run of the same step on that cache
@@ -111,6 +112,12 @@ def process_age_s() -> float:
     except (OSError, ValueError, IndexError):
         return time.perf_counter() - _T0
 
+
+from gem.compile_workers import early_worker_plan, start_compile_workers  # noqa: E402  (standard library only)
+
+# Run as a script, the kernel compile workers start before this process imports torch, so that their own imports
+# overlap ours (gem.compile_workers); compile_pool adopts them, or closes them when the cache holds the step.
+EARLY_WORKERS = start_compile_workers(*early_worker_plan(sys.argv[1:])) if __name__ == "__main__" else []
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -462,9 +469,9 @@ def run(args: argparse.Namespace) -> dict:
         marks: dict = {"build_start": time.perf_counter()}
         first_cfg = data_config(args, data_dir, max_history, args.token_budget)
         key = precompile_key(args, cfg, schema, first_cfg, device)
-        # Started before the build, so that the compile workers' start-up and the loader's first batches
-        # overlap it.
-        pool = compile_pool(args, device, key)
+        # Before the build, so that the loader's first batches (and the compile workers' start-up, where they did
+        # not start early) overlap it.
+        pool = compile_pool(args, device, key, EARLY_WORKERS)
         first_batches = open_batches(data_dir, first_cfg, args)
         # Initialised where it trains: on the CPU, `large`'s initialisation alone took most of the build.
         with torch.device(device) if args.init_on_device else contextlib.nullcontext():
@@ -561,12 +568,18 @@ def data_config(args: argparse.Namespace, data_dir: Path, max_history: int, toke
     )
 
 
-def compile_pool(args: argparse.Namespace, device: torch.device, key: str | None) -> KernelCompilePool | None:
+def compile_pool(
+    args: argparse.Namespace, device: torch.device, key: str | None, early: list | None = None
+) -> KernelCompilePool | None:
     """With ``--precompile`` where kernels compile (CUDA, not the interpreter) and the cache does not hold the
-    kernels of the step ``key`` already (:func:`gem.precompile.warm_cache`): the compile workers, started now."""
+    kernels of the step ``key`` already (:func:`gem.precompile.warm_cache`): the compile workers, ``early`` ones
+    (started at the module's top: :data:`EARLY_WORKERS`) adopted, else started now. Unneeded early workers are
+    told to exit."""
     if not args.precompile or device.type != "cuda" or skip_reason(["step"]) or warm_cache(key):
+        if early:
+            KernelCompilePool(processes=early).close(wait=False)
         return None
-    return KernelCompilePool(args.precompile_workers or None, device=device.index or 0)
+    return KernelCompilePool(args.precompile_workers or None, device=device.index or 0, processes=early)
 
 
 def precompile_key(

@@ -249,19 +249,31 @@ class KernelCompilePool:
     Each worker is ``python -m kernels.precompile`` (module doc: why processes, and why not forks of the caller
     or of a ``multiprocessing`` server, whose children re-import the caller's ``__main__``). It sees the caller's
     ``sys.path`` and environment (so the same ``TRITON_CACHE_DIR``), compiles for CUDA device ``device``, and
-    imports ``modules`` first (every module of :mod:`kernels.triton` by default).
+    imports ``modules`` first (every module of :mod:`kernels.triton` by default). ``processes``: workers started
+    earlier (``python -m kernels.precompile --device D``, e.g. by :func:`gem.compile_workers.start_compile_workers`
+    before the caller imported torch), adopted instead of starting new ones.
     """
 
-    def __init__(self, workers: int | None = None, *, device: int = 0, modules: Sequence[str] | None = None) -> None:
-        self.workers = workers or default_workers()
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        device: int = 0,
+        modules: Sequence[str] | None = None,
+        processes: Sequence[subprocess.Popen] | None = None,
+    ) -> None:
         settle_cache_keys()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        preload = ",".join(modules if modules is not None else kernel_modules())
-        command = [sys.executable, "-m", __name__, "--device", str(device), "--preload", preload]
-        self.processes = [
-            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-            for _ in range(self.workers)
-        ]
+        if processes:
+            self.processes = list(processes)
+        else:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            preload = ",".join(modules if modules is not None else kernel_modules())
+            command = [sys.executable, "-m", __name__, "--device", str(device), "--preload", preload]
+            self.processes = [
+                subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                for _ in range(workers or default_workers())
+            ]
+        self.workers = len(self.processes)
         self.reaper: threading.Thread | None = None
 
     def compile(self, specs: Sequence[LaunchSpec], *, timeout_s: float = COMPILE_TIMEOUT_S) -> PrecompileReport:
@@ -736,6 +748,7 @@ def _set_up_worker(device: int, preload: list[str]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="a kernel compile worker (KernelCompilePool starts these)")
     parser.add_argument("--device", type=int, default=0)
-    parser.add_argument("--preload", default="")
+    parser.add_argument("--preload", default=None, help="modules to import, comma-separated (default: every kernel module)")
     options = parser.parse_args()
-    _worker(options.device, [m for m in options.preload.split(",") if m])
+    preload = kernel_modules() if options.preload is None else [m for m in options.preload.split(",") if m]
+    _worker(options.device, preload)
