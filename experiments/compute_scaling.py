@@ -86,7 +86,8 @@ larger of its GPU seconds and its seconds over the overlap.
 ``model``, ``size``, ``seeds``, ``parameters``, ``flops_per_example`` (training FLOPs per row),
 ``train_flops`` (mean over seeds, up to the end of the best valid epoch), ``click_ne_mean`` / ``_std``,
 ``click_auc_mean``, ``per_domain`` (click NE mean and std by domain name), ``train_rows``, ``data``,
-``command``, ``date``; ``recalibrated_click_ne_mean`` (Platt per domain on valid); under a schedule also
+``command``, ``date``, ``device`` (what the runs trained on; absent from summaries made before it was
+recorded); ``recalibrated_click_ne_mean`` (Platt per domain on valid); under a schedule also
 ``lr`` (peak), ``probe`` (what a probe changes, empty for a size of the curve) and ``stopped_by`` per seed.
 """
 
@@ -911,8 +912,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def group_rows(runs: list[dict], data: str, command: str, date: str) -> list[dict]:
-    """One row per (model, size) over the seeds whose run wrote a result (the module docstring's format)."""
+def group_rows(runs: list[dict], data: str, command: str, date: str, device: str | None = None) -> list[dict]:
+    """One row per (model, size) over the seeds whose run wrote a result (the module docstring's format);
+    ``device``: the machine's accelerator, as the summary recorded it (summaries before it was recorded: None)."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in runs:
         if "test" in row:
@@ -942,6 +944,7 @@ def group_rows(runs: list[dict], data: str, command: str, date: str) -> list[dic
             "data": data,
             "command": command,
             "date": date,
+            "device": device,
         })
         if len(recalibrated) == len(rows):
             out[-1]["recalibrated_click_ne_mean"] = round(statistics.fmean(recalibrated), 5)
@@ -953,7 +956,8 @@ def group_rows(runs: list[dict], data: str, command: str, date: str) -> list[dic
 
 
 def write_summary(summary: dict, path: Path) -> None:
-    summary["rows"] = group_rows(summary["runs"], summary["data"], summary["command"], summary["date"])
+    summary["rows"] = group_rows(summary["runs"], summary["data"], summary["command"], summary["date"],
+                                 summary.get("device"))
     atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
 
 
@@ -982,6 +986,13 @@ def bundle(summary_path: Path, out: Path, target: Path, tag: str) -> None:
         tar.add(out / "runs", arcname=f"runs-{tag}")
 
 
+def run_device(requested: str | None) -> str:
+    """What the runs train on, by name: the GPU the trainer picks by default, or the ``--device`` asked for."""
+    if (requested or "cuda").startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(requested or "cuda"))
+    return requested or "cpu"
+
+
 def sweep(args: argparse.Namespace) -> dict:
     call_started = time.monotonic()
     plan = build_plan(args.plan, args.preset)
@@ -1006,6 +1017,7 @@ def sweep(args: argparse.Namespace) -> dict:
         "shard_weights": list(weights),
         "command": shlex.join(["python", "-m", "experiments.compute_scaling", *args.argv]),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "device": run_device(args.device),
         "env": RUN_ENV,
         "rows": [],
         "runs": [],
@@ -1057,6 +1069,8 @@ def combine(paths: list[Path], target: Path) -> dict:
     plans = list(dict.fromkeys(name for p in parts for name in p["plan"].split(" + ")))
     summary = {**parts[0], "plan": " + ".join(plans), "shard": [p["shard"] for p in parts], "runs": list(runs.values())}
     summary["command"] = " && ".join(dict.fromkeys(p["command"] for p in parts))
+    devices = [p["device"] for p in parts if p.get("device")]
+    summary["device"] = " + ".join(dict.fromkeys(devices)) if devices else None
     summary["missing"] = sorted({r.name for name in plans for r in plan_runs(PLANS[name]())} - set(runs))
     write_summary(summary, target)
     return summary

@@ -78,6 +78,7 @@ def test_dry_run_trains_every_size_and_counts_its_flops(dry):
         assert large["train_flops"] > small["train_flops"]
         assert {"seeds", "click_ne_mean", "click_ne_std", "click_auc_mean", "per_domain", "command", "date",
                 "data"} <= set(large)
+        assert large["device"] == summary["device"] == "cpu"
     assert summary["world"]["oracle_test"]["click"]["ne"] < 1
     probes = {g["size"].split("@")[1]: g for g in summary["rows"] if g["probe"]}
     assert set(probes) == {"lr2x", "recent8"} and all(g["seeds"] == [0] for g in probes.values())
