@@ -113,11 +113,11 @@ def process_age_s() -> float:
         return time.perf_counter() - _T0
 
 
-from gem.compile_workers import early_worker_plan, start_compile_workers  # noqa: E402  (standard library only)
+from gem.compile_workers import start_compile_workers, worker_plan_from_argv  # noqa: E402  (standard library only)
 
 # Run as a script, the kernel compile workers start before this process imports torch, so that their own imports
 # overlap ours (gem.compile_workers); compile_pool adopts them, or closes them when the cache holds the step.
-EARLY_WORKERS = start_compile_workers(*early_worker_plan(sys.argv[1:])) if __name__ == "__main__" else []
+EARLY_WORKERS = start_compile_workers(*worker_plan_from_argv(sys.argv[1:])) if __name__ == "__main__" else []
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

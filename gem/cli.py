@@ -75,14 +75,19 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.print_config:
         print(cfg.to_json())
         return
-    from gem.train import train
-
     if not Path(cfg.data.path, "schema.json").is_file():
         raise CLIError(
             f"dataset {cfg.data.path!r} not found; create it with `gem data synth --preset debug|default|large "
             f"--out {cfg.data.path}` or `gem data convert ...`, or point data.path=... at a dataset"
         )
-    result = train(cfg, resume=not args.no_resume)
+    from gem.compile_workers import start_compile_workers, worker_plan
+
+    # Before the harness's imports and set-up, which their own start-up then overlaps (gem.compile_workers).
+    precompile = cfg.train.precompile_kernels and not cfg.parallel.enabled and cfg.train.devices == 1
+    workers = start_compile_workers(*worker_plan(precompile, cfg.train.accelerator))
+    from gem.train import train
+
+    result = train(cfg, resume=not args.no_resume, compile_workers=workers)
     print(json.dumps(result, indent=2, sort_keys=True))
     _write_json(args.json, result)
 

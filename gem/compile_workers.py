@@ -5,7 +5,8 @@ seconds importing torch, Triton and the kernel modules before it can compile any
 finds no cached bytecode for them (``PYTHONDONTWRITEBYTECODE``, a package installed without it), and more again
 when a pool's workers all import at once beside the model build. Started here, that time overlaps the entry point's
 own imports and set-up instead of the first step: the pool adopts them (``KernelCompilePool(processes=...)``) or,
-when the cache already holds the step, closes them unused.
+when the cache already holds the step, closes them unused. ``experiments.bench_teacher`` starts them before it
+imports torch; ``gem train`` as soon as its config says the run will precompile, before it imports the harness.
 
 Standard library only: importing this module must not import torch (or :mod:`kernels`, whose package does).
 """
@@ -22,21 +23,28 @@ WORKER_MODULE = "kernels.precompile"
 MAX_WORKERS = 16  # as kernels.precompile.MAX_WORKERS (tested equal)
 
 
-def early_worker_plan(argv: Sequence[str], *, cuda_present: bool | None = None) -> tuple[int, int]:
-    """``(workers, device)`` to start for a command line of ``experiments.bench_teacher`` or ``gem train``-like
-    entry points that take ``--device``, ``--precompile``/``--no-precompile`` and ``--precompile-workers``;
-    ``(0, 0)`` when no pool will run (precompile off, a CPU device, no NVIDIA device on the machine)."""
+def worker_plan(
+    precompile: bool, device: str | None = None, workers: int = 0, *, cuda_present: bool | None = None
+) -> tuple[int, int]:
+    """``(workers, device index)`` to start for a run that precompiles (``precompile``) on ``device`` (``cuda``,
+    ``cuda:N``, ``gpu``, ``auto`` or None: the default GPU), ``workers`` of them (0: ``min(16, cores)``);
+    ``(0, 0)`` when no pool will run: precompile off, a CPU device, no NVIDIA device on the machine."""
+    present = cuda_present if cuda_present is not None else os.path.exists("/dev/nvidiactl")
+    kind, _, index = (device or "cuda").partition(":")
+    if not precompile or not present or kind not in ("cuda", "gpu", "auto"):
+        return 0, 0
+    return workers or max(1, min(MAX_WORKERS, os.cpu_count() or 1)), int(index or 0)
+
+
+def worker_plan_from_argv(argv: Sequence[str], *, cuda_present: bool | None = None) -> tuple[int, int]:
+    """:func:`worker_plan` for a command line that takes ``--device``, ``--precompile``/``--no-precompile`` and
+    ``--precompile-workers`` (``experiments.bench_teacher``); other arguments are ignored."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--device", default=None)
     parser.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--precompile-workers", type=int, default=0)
     known, _ = parser.parse_known_args(list(argv))
-    present = cuda_present if cuda_present is not None else os.path.exists("/dev/nvidiactl")
-    device = known.device or "cuda"
-    if not known.precompile or not present or not device.startswith("cuda"):
-        return 0, 0
-    index = int(device.partition(":")[2] or 0)
-    return known.precompile_workers or max(1, min(MAX_WORKERS, os.cpu_count() or 1)), index
+    return worker_plan(known.precompile, known.device, known.precompile_workers, cuda_present=cuda_present)
 
 
 def start_compile_workers(workers: int, device: int = 0) -> list[subprocess.Popen]:

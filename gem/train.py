@@ -104,7 +104,9 @@ class PrecompileKernels(L.Callback):
     interpreter or where the module's resolved switch is off (:mod:`gem.step_options`), one logged line.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, early_workers: list | None = None) -> None:
+        # Compile workers started before the harness was imported (gem.compile_workers): adopted or told to exit.
+        self.early_workers = list(early_workers or [])
         self.pool: KernelCompilePool | None = None
         self.key: str | None = None
         self.done = False
@@ -116,7 +118,9 @@ class PrecompileKernels(L.Callback):
         return bool(options is not None and options.precompile_kernels)
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        early, self.early_workers = self.early_workers, []
         if not self._enabled(pl_module) or skip_reason(["step"]):
+            self._stop(early)
             return
         self.key = step_key(
             step_identity(pl_module), autocast_dtype=pl_module.step_options.autocast_dtype, device=pl_module.device
@@ -124,11 +128,18 @@ class PrecompileKernels(L.Callback):
         # Here, before the sanity check's launches: on a warm cache this is what settles the kernels' keys to
         # those the earlier pool compiled under (a pool started below settles them itself).
         if warm_cache(self.key):
+            self._stop(early)
             return
         try:
-            self.pool = KernelCompilePool(device=pl_module.device.index or 0)
+            self.pool = KernelCompilePool(device=pl_module.device.index or 0, processes=early)
         except Exception as err:  # the JIT compiles at the first launches, as without this callback
             _log.warning("kernel precompile: no compile pool (%s: %s)", type(err).__name__, err)
+            self._stop(early)
+
+    @staticmethod
+    def _stop(early: list) -> None:
+        if early:
+            KernelCompilePool(processes=early).close(wait=False)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.done:
@@ -158,6 +169,8 @@ class PrecompileKernels(L.Callback):
             _log.info(compiled_line("first step", compiled))
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        self._stop(self.early_workers)
+        self.early_workers = []
         self.close()
 
     def close(self, *, wait: bool = True) -> None:
@@ -178,7 +191,14 @@ def step_identity(pl_module: RecModule) -> list[str]:
     ]
 
 
-def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: MetricRecorder | None) -> L.Trainer:
+def build_trainer(
+    cfg: ExperimentConfig,
+    logger: MLFlowLogger | None,
+    recorder: MetricRecorder | None,
+    compile_workers: list | None = None,
+) -> L.Trainer:
+    """The Lightning trainer of ``cfg``; ``compile_workers``: processes of :func:`gem.compile_workers.start_compile_workers`
+    for :class:`PrecompileKernels` to adopt (told to exit where the run does not precompile)."""
     if cfg.train.check_val_every_n_epoch < 1:
         raise ConfigError(f"train.check_val_every_n_epoch={cfg.train.check_val_every_n_epoch} must be at least 1")
     callbacks: list[L.Callback] = [
@@ -193,7 +213,9 @@ def build_trainer(cfg: ExperimentConfig, logger: MLFlowLogger | None, recorder: 
     if cfg.train.progress_bar:
         callbacks.append(GemProgressBar(refresh_rate=10))
     if cfg.train.precompile_kernels:
-        callbacks.append(PrecompileKernels())
+        callbacks.append(PrecompileKernels(compile_workers))
+    elif compile_workers:
+        PrecompileKernels._stop(compile_workers)
     placement: dict[str, Any] = {"devices": cfg.train.devices, "plugins": [AtomicCheckpointIO()]}
     if cfg.parallel.enabled:
         from foundation.parallel.strategy import GemParallelStrategy, launch_world
@@ -311,12 +333,12 @@ def log_run_record(run: TrainingRun, cfg: ExperimentConfig, tags: dict[str, str]
 
 
 def fit(cfg: ExperimentConfig, module: RecModule, datamodule: EventDataModule, last: Path, resuming: bool,
-        recorder: MetricRecorder | None, run_id: str | None) -> L.Trainer:
+        recorder: MetricRecorder | None, run_id: str | None, compile_workers: list | None = None) -> L.Trainer:
     """Fit (resuming from ``last`` when ``resuming``) and write the final ``last.ckpt``; every rank calls this."""
     logger = None
     if recorder is not None:
         logger = RecorderLogger(recorder, experiment_name=cfg.train.experiment, tracking_uri=tracking_uri(cfg), run_id=run_id)
-    trainer = build_trainer(cfg, logger, recorder)
+    trainer = build_trainer(cfg, logger, recorder, compile_workers)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None, weights_only=True)
     except ResumeError as exc:
@@ -351,7 +373,12 @@ def default_run_name(cfg: ExperimentConfig) -> str:
 
 
 def train(
-    cfg: ExperimentConfig, *, resume: bool = True, parent_run_id: str | None = None, run_name: str | None = None
+    cfg: ExperimentConfig,
+    *,
+    resume: bool = True,
+    parent_run_id: str | None = None,
+    run_name: str | None = None,
+    compile_workers: list | None = None,
 ) -> dict[str, Any]:
     """Fit ``cfg`` in its run directory (:mod:`gem.run_dir`) and return ``{"run_id", "checkpoint",
     "checkpoint_sha256", "metrics"}``.
@@ -361,7 +388,9 @@ def train(
     for a run killed before its first checkpoint; a run of another config there, or any run without
     ``resume``, is refused (:class:`~gem.run_dir.RunConflict`) before anything is written. A run refused by
     a bad config or dataset leaves no MLflow run behind (:func:`gem.tracking.reject_run`). ``parent_run_id``
-    files the run under a pipeline's run; ``run_name`` replaces :func:`default_run_name`.
+    files the run under a pipeline's run; ``run_name`` replaces :func:`default_run_name`; ``compile_workers``:
+    kernel compile workers started before the harness was imported (:mod:`gem.compile_workers`), for the
+    first step's precompile to adopt.
 
     With ``parallel.enabled`` (one process, or every process of a ``torchrun`` job) the
     :class:`~foundation.parallel.strategy.GemParallelStrategy` trains: checkpoints are DCP step
@@ -393,7 +422,7 @@ def train(
     lineage = transfer_lineage(module)
     if not rank0:
         # Other ranks open no MLflow run and get no logger: even constructing one opens the tracking store.
-        fit(cfg, module, datamodule, last, resuming, None, None)
+        fit(cfg, module, datamodule, last, resuming, None, None, compile_workers)
         return {"run_id": None, "checkpoint": str(last), "checkpoint_sha256": "", "metrics": {}}
     with train_lock(out):
         remove_stale_temps(out)
@@ -410,7 +439,7 @@ def train(
         try:
             log_run_record(run, cfg, tags)
             recorder = MetricRecorder(run.run_id, resumed=not run.created)
-            fit(cfg, module, datamodule, last, resuming, recorder, run.run_id)
+            fit(cfg, module, datamodule, last, resuming, recorder, run.run_id, compile_workers)
             sha = log_outcome(cfg, last, run.run_id)
         except REJECTIONS as exc:
             # A checkpoint with no config on record (a run directory from before config.json and mlflow_run_id
