@@ -141,6 +141,7 @@ from kernels.precompile import (  # noqa: E402
     compiled_line,
     compiled_since,
     skip_reason,
+    stop_workers,
 )
 from kernels.settings import KernelSettings, apply_kernel_settings  # noqa: E402
 from kernels.triton import jagged_attention as triton_attention  # noqa: E402
@@ -576,8 +577,7 @@ def compile_pool(
     (started at the module's top: :data:`EARLY_WORKERS`) adopted, else started now. Unneeded early workers are
     told to exit."""
     if not args.precompile or device.type != "cuda" or skip_reason(["step"]) or warm_cache(key):
-        if early:
-            KernelCompilePool(processes=early).close(wait=False)
+        stop_workers(early or [], wait=False)
         return None
     return KernelCompilePool(args.precompile_workers or None, device=device.index or 0, processes=early)
 

@@ -48,7 +48,14 @@ from gem.tracking import (
     open_training_run,
     reject_run,
 )
-from kernels.precompile import KernelCompilePool, cache_entries, compiled_line, compiled_since, skip_reason
+from kernels.precompile import (
+    KernelCompilePool,
+    cache_entries,
+    compiled_line,
+    compiled_since,
+    skip_reason,
+    stop_workers,
+)
 from kernels.settings import effective_kernel_settings, kernel_environment
 from transfer.sharing import SharingError
 from transfer.teacher_outputs import MANIFEST_FILE, TeacherOutputsError
@@ -120,7 +127,7 @@ class PrecompileKernels(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         early, self.early_workers = self.early_workers, []
         if not self._enabled(pl_module) or skip_reason(["step"]):
-            self._stop(early)
+            stop_workers(early, wait=False)
             return
         self.key = step_key(
             step_identity(pl_module), autocast_dtype=pl_module.step_options.autocast_dtype, device=pl_module.device
@@ -128,18 +135,13 @@ class PrecompileKernels(L.Callback):
         # Here, before the sanity check's launches: on a warm cache this is what settles the kernels' keys to
         # those the earlier pool compiled under (a pool started below settles them itself).
         if warm_cache(self.key):
-            self._stop(early)
+            stop_workers(early, wait=False)
             return
         try:
             self.pool = KernelCompilePool(device=pl_module.device.index or 0, processes=early)
         except Exception as err:  # the JIT compiles at the first launches, as without this callback
             _log.warning("kernel precompile: no compile pool (%s: %s)", type(err).__name__, err)
-            self._stop(early)
-
-    @staticmethod
-    def _stop(early: list) -> None:
-        if early:
-            KernelCompilePool(processes=early).close(wait=False)
+            stop_workers(early, wait=False)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.done:
@@ -169,7 +171,7 @@ class PrecompileKernels(L.Callback):
             _log.info(compiled_line("first step", compiled))
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        self._stop(self.early_workers)
+        stop_workers(self.early_workers, wait=False)
         self.early_workers = []
         self.close()
 
@@ -215,7 +217,7 @@ def build_trainer(
     if cfg.train.precompile_kernels:
         callbacks.append(PrecompileKernels(compile_workers))
     elif compile_workers:
-        PrecompileKernels._stop(compile_workers)
+        stop_workers(compile_workers, wait=False)
     placement: dict[str, Any] = {"devices": cfg.train.devices, "plugins": [AtomicCheckpointIO()]}
     if cfg.parallel.enabled:
         from foundation.parallel.strategy import GemParallelStrategy, launch_world

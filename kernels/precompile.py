@@ -311,36 +311,46 @@ class KernelCompilePool:
         )
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S, *, wait: bool = True) -> None:
-        """Stop the workers: each is told to exit (end of input is not enough: a process forked after the pool
-        started, e.g. a DataLoader worker, holds copies of the pipes' write ends), and those still running after
-        ``timeout_s`` in all are killed. With ``wait=False`` the waiting and killing happen on a daemon thread
-        (:attr:`reaper`): a worker's interpreter (torch, Triton, a CUDA context) takes a while to tear down, and a
-        caller about to run its first step need not wait for that."""
-        for process in self.processes:
-            with contextlib.suppress(OSError, ValueError):
-                _send(process.stdin, STOP)
-            with contextlib.suppress(OSError):
-                process.stdin.close()
-        if wait:
-            self._reap(timeout_s)
-        elif self.reaper is None:
-            self.reaper = threading.Thread(target=self._reap, args=(timeout_s,), daemon=True)
-            self.reaper.start()
-
-    def _reap(self, timeout_s: float) -> None:
-        deadline = time.perf_counter() + timeout_s
-        for process in self.processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.perf_counter()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Stop the workers (:func:`stop_workers`); with ``wait=False`` the reaper thread is :attr:`reaper`."""
+        reaper = stop_workers(self.processes, timeout_s=timeout_s, wait=wait)
+        self.reaper = self.reaper or reaper
 
     def __enter__(self) -> KernelCompilePool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def stop_workers(
+    processes: Sequence[subprocess.Popen], *, timeout_s: float = CLOSE_TIMEOUT_S, wait: bool = True
+) -> threading.Thread | None:
+    """Stop compile workers: each is told to exit (end of input is not enough: a process forked after the workers
+    started, e.g. a DataLoader worker, holds copies of the pipes' write ends), and those still running after
+    ``timeout_s`` in all are killed. With ``wait=False`` the waiting and killing happen on a daemon thread, which
+    is returned: a worker's interpreter (torch, Triton, a CUDA context) takes a while to tear down, and a caller
+    about to run its first step need not wait for that."""
+    for process in processes:
+        with contextlib.suppress(OSError, ValueError):
+            _send(process.stdin, STOP)
+        with contextlib.suppress(OSError):
+            process.stdin.close()
+    if wait:
+        _reap(processes, timeout_s)
+        return None
+    reaper = threading.Thread(target=_reap, args=(list(processes), timeout_s), daemon=True)
+    reaper.start()
+    return reaper
+
+
+def _reap(processes: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.perf_counter() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _serve(process: subprocess.Popen, tasks: queue.SimpleQueue, outcomes: list, start: float) -> None:
