@@ -125,6 +125,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from experiments.kernel_groups import kernel_breakdown  # noqa: E402
 from experiments.op_count import count_steps, format_counts  # noqa: E402
 from foundation.config import apply_overrides  # noqa: E402
+from foundation.data.io import atomic_write_text  # noqa: E402
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader  # noqa: E402
 from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
@@ -604,7 +605,7 @@ def save_tuned(path: Path) -> None:
     """Adds this process's autotuned attention picks to the table at ``path`` (a copy of the checked-in one when
     absent), for this GPU and Triton version."""
     if not path.exists() and TUNED_PATH.exists():
-        path.write_text(TUNED_PATH.read_text())
+        atomic_write_text(path, TUNED_PATH.read_text())
     write_tuned(triton_attention.TUNED, torch.device("cuda"), path)
     print(f"wrote {len(triton_attention.TUNED)} autotuned picks to {path}", flush=True)
 

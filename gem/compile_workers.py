@@ -33,7 +33,8 @@ def worker_plan(
     kind, _, index = (device or "cuda").partition(":")
     if not precompile or not present or kind not in ("cuda", "gpu", "auto"):
         return 0, 0
-    return workers or max(1, min(MAX_WORKERS, os.cpu_count() or 1)), int(index or 0)
+    # A malformed index is the entry point's to report (its argument parsing or torch); here it means device 0.
+    return workers or max(1, min(MAX_WORKERS, os.cpu_count() or 1)), int(index) if index.isdigit() else 0
 
 
 def worker_plan_from_argv(argv: Sequence[str], *, cuda_present: bool | None = None) -> tuple[int, int]:

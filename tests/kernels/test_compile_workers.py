@@ -35,6 +35,7 @@ def test_the_plan_follows_the_command_line_the_config_and_the_machine():
     # The harness's accelerators: Lightning's "auto" and "gpu" train on CUDA where there is one.
     assert worker_plan(True, "auto", cuda_present=True) == worker_plan(True, "gpu", cuda_present=True) == (cores, 0)
     assert worker_plan(True, "cpu", cuda_present=True) == (0, 0)
+    assert worker_plan(True, "cuda:x", cuda_present=True) == (cores, 0)  # the entry point reports it, not this
 
 
 def test_the_pool_adopts_early_workers_and_they_answer():
