@@ -578,7 +578,7 @@ def compile_pool(
     (started at the module's top: :data:`EARLY_WORKERS`) adopted, else started now. Unneeded early workers are
     told to exit."""
     if not args.precompile or device.type != "cuda" or skip_reason(["step"]) or warm_cache(key):
-        stop_workers(early or [], wait=False)
+        stop_workers(early or (), wait=False)
         return None
     return KernelCompilePool(args.precompile_workers or None, device=device.index or 0, processes=early)
 

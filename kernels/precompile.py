@@ -330,6 +330,8 @@ def stop_workers(
     ``timeout_s`` in all are killed. With ``wait=False`` the waiting and killing happen on a daemon thread, which
     is returned: a worker's interpreter (torch, Triton, a CUDA context) takes a while to tear down, and a caller
     about to run its first step need not wait for that."""
+    if not processes:
+        return None
     for process in processes:
         with contextlib.suppress(OSError, ValueError):
             _send(process.stdin, STOP)
