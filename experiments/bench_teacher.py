@@ -27,7 +27,10 @@ embeddings, optimizer, GEMM, elementwise/norm, other: :mod:`experiments.kernel_g
 of the step the GPU sat idle.
 
 ``--sync-check`` (CUDA) runs one more step under ``torch.cuda.set_sync_debug_mode`` and lists where it
-made the host wait for the GPU.
+made the host wait for the GPU. Each step waits for the GPU before the next starts, unless ``--overlap-steps``:
+after the first step a step's loss is read (the host waits) only once the next step is enqueued, so the host's part
+of a step (the FLOP count, the batch's copy, the lookups, the launches) runs while the GPU finishes the one before,
+as in a training loop that logs a step's loss late; a step's time is then the time between two such reads.
 
 ``--compare-losses REF.json`` prints the largest per-step loss difference against another run's
 ``--json`` over the steps both ran (same seed and data: the same batches, which it checks), e.g. the
@@ -41,7 +44,8 @@ gradients do not change) and trains those through :class:`gem.loop.StaticStep`, 
 per bucket; ``--cuda-graphs`` then captures each bucket's dense forward and backward into a CUDA graph
 after ``--graph-warmup`` eager steps and replays it (a failed capture prints one line and runs eagerly).
 Throughput counts the real rows and tokens only. ``--no-cast-once`` restores autocast's cast of every
-parameter at every use (:class:`foundation.model.precision.CastOnce` casts once per step, same values).
+parameter at every use (:class:`foundation.model.precision.CastOnce` casts once per step, same values; in the
+static step, inside its graph).
 
 ``--count-ops N`` (after the timed steps; ``--steps 0`` for none) counts the ATen operators and Triton
 launches of ``N`` eager steps by phase, kind and source line, then times the host of ``N`` more
@@ -198,19 +202,38 @@ def train(
     if shapes is not None:
         graphs = GraphConfig(cuda_graphs=args.cuda_graphs, warmup_steps=args.graph_warmup)
         autocast_dtype = torch.bfloat16 if args.precision == "bf16" else None
-        static_step = StaticStep(model, optimizer, autocast_dtype=autocast_dtype, config=graphs, log=log_line)
+        cast = CastOnce(model) if args.cast_once and autocast_dtype is not None else None
+        static_step = StaticStep(
+            model, optimizer, autocast_dtype=autocast_dtype, config=graphs, log=log_line, cast_once=cast
+        )
 
-    def step(batch) -> torch.Tensor:
+    def step(batch, sync: bool = True) -> torch.Tensor:
         # A padded batch is copied from pinned host memory into its bucket's buffers.
         loss = static_step(batch)["loss"] if isinstance(batch, PaddedBatch) else train_step(batch)
-        if use_cuda:
+        if use_cuda and sync:
             torch.cuda.synchronize(device)
         return loss
 
+    def finish(loss: torch.Tensor) -> float:
+        """Reads a step's loss (waiting for the step) and records the step's time; returns the time it ended."""
+        nonlocal last
+        losses.append(float(loss.detach()))
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        i = len(times) - 1
+        print(
+            f"step {i + 1:4d}  {times[i] * 1e3:8.1f} ms  rows {rows[i]:5d}  tokens {tokens[i]:7d}"
+            f"  max_len {max_lens[i]:5d}  loss {losses[i]:.4f}",
+            flush=True,
+        )
+        return now
+
     batches = batches if batches is not None else open_batches(data_dir, data_cfg, args)
     start = last = time.perf_counter()
+    pending = None  # with --overlap-steps: the loss of the step enqueued last, read once the next is enqueued
     for batch in batches:
-        if len(times) == args.steps:
+        if len(rows) == args.steps:
             break
         if "first_step_parts" not in marks:
             marks["first_step_parts"] = {"batch_wait_s": time.perf_counter() - last}
@@ -230,11 +253,13 @@ def train(
         first = "first_step_process_s" not in marks
         cached = cache_entries() if first else frozenset()
         step_start = time.perf_counter()
-        loss = step(batch)
-        now = time.perf_counter()
-        losses.append(float(loss.detach()))
-        times.append(now - last)
-        last = now
+        overlap = args.overlap_steps and not first
+        loss = step(batch, sync=not overlap)
+        if overlap:
+            now = finish(pending) if pending is not None else time.perf_counter()
+            pending = loss
+        else:
+            now = finish(loss)
         if first:
             # The limit bounds the timed steps: a cold first step (compiling) must not use it up.
             start = now
@@ -254,14 +279,11 @@ def train(
             if marks["first_step_autotuned"]:
                 log_line(f"first step: {len(marks['first_step_autotuned'])} attention launches autotuned (no "
                          f"checked-in config: --write-tuned adds them), first {marks['first_step_autotuned'][0]}")
-        print(
-            f"step {len(times):4d}  {times[-1] * 1e3:8.1f} ms  rows {rows[-1]:5d}  tokens {tokens[-1]:7d}"
-            f"  max_len {max_lens[-1]:5d}  loss {losses[-1]:.4f}",
-            flush=True,
-        )
         if now - start > args.time_limit:
-            print(f"time limit {args.time_limit} s reached after {len(times)} steps", flush=True)
+            print(f"time limit {args.time_limit} s reached after {len(rows)} steps", flush=True)
             break
+    if pending is not None:
+        finish(pending)
     trace = {"times": times, "flops": flops, "tokens": tokens, "rows": rows, "max_lens": max_lens, "losses": losses}
     if static_step is not None:
         trace["static"] = {
@@ -277,7 +299,7 @@ def train(
     if extra is not None:
         trace["sync_points"] = find_sync_points(step, extra)
     if args.profile:
-        trace["profile"] = profile_steps(step, batches, args.profile, use_cuda)
+        trace["profile"] = profile_steps(step, batches, args.profile, use_cuda, args.profile_top)
     if args.count_ops:
         counts = count_steps(
             lambda phase, batch: train_step(batch, phase), batches, args.count_ops, interpret=args.interpret_kernels
@@ -344,7 +366,7 @@ def find_sync_points(step, batch) -> list[dict]:
     return points
 
 
-def profile_steps(step, batches, num_steps: int, use_cuda: bool) -> dict:
+def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) -> dict:
     """``torch.profiler`` over the next ``num_steps`` steps: the operators and kernels that took the most
     device time (host time on CPU) as a table, and the kernel time by group; printed and kept in the JSON."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
@@ -358,7 +380,7 @@ def profile_steps(step, batches, num_steps: int, use_cuda: bool) -> dict:
     sort_by = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=20, max_name_column_width=60)
     print(table, flush=True)
-    groups = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall)
+    groups = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall, top=top)
     print("kernel time per step by group (ms): " + json.dumps({k: round(v, 2) for k, v in groups["groups_ms_per_step"].items()}), flush=True)
     return {"table": table, "groups": groups}
 
@@ -662,6 +684,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument(
         "--profile", type=int, default=0, help="after the timed steps, profile this many more (torch.profiler table)"
+    )
+    parser.add_argument("--profile-top", type=int, default=15, help="with --profile, the busiest kernels kept")
+    parser.add_argument(
+        "--overlap-steps", action="store_true",
+        help="after the first step, read each step's loss only once the next step is enqueued, so that the host's "
+        "work for a step (batch copy, lookups, launches) overlaps the GPU's previous one, as a training loop that "
+        "does not wait for every step; a step's time is then between the reads",
     )
     parser.add_argument(
         "--sync-check", action="store_true", help="after the timed steps, list where one more step syncs with the host (CUDA)"

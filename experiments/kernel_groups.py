@@ -89,6 +89,7 @@ def kernel_breakdown(events, *, on_device: bool, steps: int, wall_s: float, top:
     numbers = region_sequence_numbers(events)
     by_group: dict[str, float] = defaultdict(float)
     by_kernel: dict[tuple[str, str], float] = defaultdict(float)
+    launches: dict[tuple[str, str], int] = defaultdict(int)
     for event in events:
         items = timed_items(event, on_device)
         if not items:
@@ -98,6 +99,7 @@ def kernel_breakdown(events, *, on_device: bool, steps: int, wall_s: float, top:
             group = context or name_group(name)
             by_group[group] += us
             by_kernel[(name, group)] += us
+            launches[(name, group)] += 1
     total_us = sum(by_group.values())
     per_step = max(steps, 1) * 1e3
     busiest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
@@ -108,7 +110,10 @@ def kernel_breakdown(events, *, on_device: bool, steps: int, wall_s: float, top:
         "kernel_ms_per_step": total_us / per_step,
         "groups_ms_per_step": {g: by_group.get(g, 0.0) / per_step for g in GROUPS},
         "groups_share": {g: by_group.get(g, 0.0) / total_us if total_us else 0.0 for g in GROUPS},
-        "top_kernels": [{"name": n[:160], "group": g, "ms_per_step": us / per_step} for (n, g), us in busiest],
+        "top_kernels": [
+            {"name": n[:160], "group": g, "ms_per_step": us / per_step, "launches_per_step": launches[n, g] / max(steps, 1)}
+            for (n, g), us in busiest
+        ],
     }
     if on_device:
         result["device_idle_share"] = max(0.0, 1.0 - total_us / 1e6 / wall_s) if wall_s > 0 else None

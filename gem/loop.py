@@ -189,7 +189,10 @@ class StaticStep:
     ``config.cuda_graphs``, captured once and replayed. The lookups' gradients then flow into the tables
     eagerly, the dense gradients are handed to ``optimizer``, which steps after the gradients are clipped to
     norm ``grad_clip`` when it is positive (``clip(grad_clip)``, default: over the model's parameters), as in
-    :func:`train_step`. If a capture fails, one line goes to ``log`` and every later step runs eagerly. A call
+    :func:`train_step`. ``cast_once`` (a :class:`~foundation.model.precision.CastOnce` of ``model``, under autocast)
+    refreshes the low-precision copies of the parameters autocast would cast at every use, inside the graph, in one
+    multi-tensor copy, and converts their gradients back in another (same values), where autocast would launch two
+    casts per parameter. If a capture fails, one line goes to ``log`` and every later step runs eagerly. A call
     returns ``model.loss``'s terms (device scalars; ``"loss"`` is the total). The random numbers are drawn in
     the eager step's order (negatives in the lookups, then dropout), so without a graph it trains exactly as
     :func:`train_step` on the same batches.
@@ -205,8 +208,10 @@ class StaticStep:
         log: Callable[[str], None] = print,
         grad_clip: float = 0.0,
         clip: Callable[[float], object] | None = None,
+        cast_once: CastOnce | None = None,
     ) -> None:
         self.model, self.optimizer, self.autocast_dtype = model, optimizer, autocast_dtype
+        self.cast_once = cast_once
         self.config, self.log = config, log
         self.grad_clip, self.clip = grad_clip, clip
         self.device = next(model.parameters()).device
@@ -236,6 +241,11 @@ class StaticStep:
             for leaf, value in zip(slot.leaves, produced, strict=True):
                 leaf.copy_(value)
         losses, grads = self.run_dense(slot)
+        if self.cast_once is not None:
+            # After the graph, not in it: its gradients' addresses are fixed only once it is captured, and the
+            # one-launch copy needs them before (kernels/triton/multi_copy.py).
+            n = len(self.params)
+            grads = (*self.cast_once.float_grads(self.params, list(grads[:n])), *grads[n:])
         self.optimizer.zero_grad(set_to_none=True)
         differentiable = [t for t in produced if t.requires_grad]
         pairs = [(t, g) for t, g in zip(differentiable, grads[len(self.params):], strict=True) if g is not None]
@@ -305,10 +315,15 @@ class StaticStep:
         Autocast's cache is off: under an enclosing autocast (a Lightning step's) a cast cached before a capture
         would be read by the graph after its memory is freed.
         """
+        cast = self.cast_once
+        targets = cast.grad_targets(self.params) if cast is not None else self.params
         with autocast(self.device, self.autocast_dtype, cache=False):
-            losses = self.model.loss(slot.batch, self.model(slot.batch, slot.lookups))
+            if cast is None:
+                losses = self.model.loss(slot.batch, self.model(slot.batch, slot.lookups))
+            else:
+                losses = cast.run(lambda forward: self.model.loss(slot.batch, forward(slot.batch, slot.lookups)))
         leaves = [leaf for leaf in slot.leaves if leaf.requires_grad]
-        grads = torch.autograd.grad(losses["loss"], [*self.params, *leaves], allow_unused=True)
+        grads = torch.autograd.grad(losses["loss"], [*targets, *leaves], allow_unused=True)
         return {name: value.detach() for name, value in losses.items()}, grads
 
 

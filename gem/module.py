@@ -199,9 +199,7 @@ class RecModule(L.LightningModule):
         split = self.cfg.data.train_split
         if not self.step_options.cast_once or self.teacher_outputs(split) is not None:
             return {"forward": lambda b: self.forward_batch(b, split)}
-        if self.cast_once is None:
-            self.cast_once = CastOnce(self.model, self.step_options.autocast_dtype)
-        return {"cast_once": self.cast_once}
+        return {"cast_once": self.shared_cast_once()}
 
     def build_static_step(self, optimizer) -> StaticStep:
         """The :class:`StaticStep` of this run (made at its first padded batch), clipping with :meth:`clip_norm`."""
@@ -214,8 +212,15 @@ class RecModule(L.LightningModule):
                 log=_log.warning,
                 grad_clip=self.cfg.train.grad_clip,
                 clip=self.clip_norm,
+                cast_once=self.shared_cast_once() if self.step_options.cast_once else None,
             )
         return self.static_step
+
+    def shared_cast_once(self) -> CastOnce:
+        """The run's :class:`CastOnce`, made on first use: the static and the plain step share its copies."""
+        if self.cast_once is None:
+            self.cast_once = CastOnce(self.model, self.step_options.autocast_dtype)
+        return self.cast_once
 
     def clip_norm(self, max_norm: float) -> None:
         """Clip the gradients of the optimizer's parameters to total norm ``max_norm``, by the precision plugin's

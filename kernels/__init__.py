@@ -26,7 +26,14 @@ import torch
 
 from kernels import settings
 from kernels.checks import check_offsets, check_qkv, check_values
-from kernels.glue import draw_dropout_mask, jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
+from kernels.glue import (
+    draw_dropout_mask,
+    jagged_silu_modulate,
+    layer_norm,
+    multi_copy,
+    residual_layer_norm,
+    silu_split,
+)
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 from kernels.spec import AttentionSpec
 
@@ -39,6 +46,7 @@ __all__ = [
     "jagged_cross_attention",
     "jagged_silu_modulate",
     "layer_norm",
+    "multi_copy",
     "residual_layer_norm",
     "route_jagged_attention",
     "silu_split",

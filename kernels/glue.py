@@ -271,3 +271,30 @@ def silu_split(
     else:
         from kernels.pytorch.silu_split import silu_split as impl
     return impl(h, widths, bias)
+
+
+def multi_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, backend: str = "auto") -> None:
+    """``dsts[i].copy_(srcs[i])`` for every ``i`` in one launch (Triton) where ``torch._foreach_copy_`` launches one
+    kernel per tensor whose dtypes differ: float32 parameters into their bf16 copies, bf16 gradients into float32.
+
+    Args:
+        dsts: tensors written, each of its source's shape, all on one device.
+        srcs: tensors read (any dtype; a 2-D source may be laid out otherwise than its destination, e.g. transposed).
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"`` (chosen by the first destination).
+    """
+    if len(dsts) != len(srcs):
+        raise ValueError(f"multi_copy needs as many sources as destinations, got {len(srcs)} and {len(dsts)}")
+    if not dsts:
+        return
+    device = dsts[0].device
+    for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
+        if d.shape != s.shape:
+            raise ValueError(f"multi_copy pair {i}: destination {tuple(d.shape)} and source {tuple(s.shape)} differ")
+        if d.device != device or s.device != device:
+            raise ValueError(f"multi_copy pair {i}: tensors on {d.device} and {s.device}, expected {device}")
+    if _resolve(backend, dsts[0]) == "triton":
+        from kernels.triton.multi_copy import multi_copy as impl
+    else:
+        from kernels.pytorch.multi_copy import multi_copy as impl
+    impl(list(dsts), list(srcs))
+

@@ -78,7 +78,7 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     out, table = tmp_path / "bench.json", tmp_path / "results" / "teacher_mfu.json"
     argv = ["--flavor", "debug", "--steps", "2", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
             "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"), "--record", str(table)]
-    assert bench_teacher.main([*argv, "--profile", "1", "--json", str(out)]) == 0
+    assert bench_teacher.main([*argv, "--profile", "1", "--profile-top", "3", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["steps_run"] == 2 and result["losses_finite"] and result["negatives"] == "batch"
     # The first step's parts: its batch's wait and the step itself (no precompile on CPU), inside its time; with
@@ -95,6 +95,8 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     # The debug flavor has every part: each named range and the optimizer's own range get time.
     assert all(groups[g] > 0 for g in ("generative_loss", "attention", "embeddings", "optimizer", "gemm"))
     assert sum(groups.values()) == pytest.approx(profile["groups"]["kernel_ms_per_step"])
+    top = profile["groups"]["top_kernels"]
+    assert len(top) == 3 and all(k["launches_per_step"] >= 1 for k in top)
     again = tmp_path / "again.json"
     argv += ["--glue-backend", "pytorch", "--compare-losses", str(out), "--json", str(again), "--record-label", "b"]
     assert bench_teacher.main(argv) == 0
@@ -111,7 +113,8 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
 def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager_step(tmp_path, capsys):
     """`--count-ops N` counts the eager step's operators by phase; `--bucketed` pads the same batches to static
     shapes and trains them through gem.loop.StaticStep with the same losses (float32, no dropout: padding
-    changes nothing but rounding); `--cuda-graphs` on a CPU says so once and runs eagerly."""
+    changes nothing but rounding), also when each step's loss is read only after the next is enqueued
+    (`--overlap-steps`); `--cuda-graphs` on a CPU says so once and runs eagerly."""
     argv = ["--flavor", "debug", "--steps", "3", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
             "--max-history", "64", "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"),
             "--precision", "fp32", "dropout=0.0"]
@@ -122,12 +125,14 @@ def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager
     assert counts["kinds"]["forward"]["gemm"] > 0 and counts["kinds"]["optimizer"]["optimizer"] >= 1
     assert counts["sync_sites"] == {}  # nothing in the step reads a device value on the host
     bucketed = tmp_path / "bucketed.json"
-    argv += ["--bucketed", "40,48,64", "--cuda-graphs", "--compare-losses", str(eager), "--json", str(bucketed)]
+    argv += ["--bucketed", "40,48,64", "--cuda-graphs", "--overlap-steps", "--compare-losses", str(eager),
+             "--json", str(bucketed)]
     assert bench_teacher.main(argv) == 0
     assert "cuda graphs off: the model is on cpu; eager steps" in capsys.readouterr().out
     result = json.loads(bucketed.read_text())
     static = result["trace"]["static"]
     assert static["padded_steps"] == 3 and static["graphs_captured"] == 0 and not static["cuda_graphs"]
+    assert result["steps_run"] == 3 and len(result["trace"]["times"]) == 3 and min(result["trace"]["times"]) > 0
     comparison = result["loss_comparison"]
     assert comparison["same_batches"] and comparison["steps"] == 3 and comparison["max_abs_diff"] < 1e-5
 

@@ -71,3 +71,28 @@ def test_cuda_graphs_on_a_cpu_model_say_so_once_and_run_eagerly():
     losses = [step(b)["loss"] for b in padded_batches(3)]
     assert lines == ["cuda graphs off: the model is on cpu; eager steps"]
     assert step.graphs == 0 and all(torch.isfinite(loss) for loss in losses)
+
+
+def test_parameters_cast_once_inside_the_static_step_train_exactly_as_autocast():
+    """Under bf16 autocast, a CastOnce inside the static step (its copies refreshed and their gradients converted
+    back inside the dense part, where a graph would hold them) gives the losses and parameters of autocast's own
+    casts, to the last bit; the copies stand in for the GEMM weights from the second step on."""
+    from foundation.model.precision import CastOnce
+
+    batches = padded_batches(4)
+    runs = []
+    for cast_once in (False, True):
+        model, optimizer = build()
+        cast = CastOnce(model) if cast_once else None
+        step = StaticStep(model, optimizer, autocast_dtype=torch.bfloat16, config=GraphConfig(), cast_once=cast)
+        torch.manual_seed(9)
+        losses = torch.stack([step(b)["loss"] for b in batches])
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}, cast))
+    (plain, plain_state, _), (losses, state, cast) = runs
+    assert torch.equal(losses, plain)
+    assert all(torch.equal(state[k], plain_state[k]) for k in plain_state), "parameters moved apart"
+    assert "blocks.0.uvqk.weight" in cast.names and "items.collection.embeddings.t_item.weight" not in cast.names
+    params = list(cast.model.parameters())
+    assert sum(t.dtype == torch.bfloat16 for t in cast.grad_targets(params)) == len(cast.names)
+    # The last step's gradients of the cast parameters are the copies' ones, converted into the cast's buffers.
+    assert all(p.grad.data_ptr() == buffer.data_ptr() for p, buffer in zip(cast.params, cast.grads, strict=True))

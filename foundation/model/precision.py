@@ -3,10 +3,12 @@
 Under bf16 autocast an ``nn.Linear`` casts its float32 weight and bias to bf16 at every call, and autograd
 casts their bf16 gradients back to float32: two kernel launches per parameter per step, several hundred for
 a deep model, each costing the host as much as a GEMM launch. :class:`CastOnce` keeps low-precision copies
-of the parameters whose every use is such a cast, refreshes them with one multi-tensor copy per step, runs
-the forward on them (:func:`torch.func.functional_call`), and after the backward moves their gradients into
-the float32 parameters' ``.grad`` with one more. Values are those of plain autocast: the copy rounds as the
-cast does, and the gradient reaching the copy is the one the cast's backward would convert, exactly.
+of the parameters whose every use is such a cast, refreshes them with one multi-tensor copy per step
+(:func:`kernels.multi_copy`), runs the forward on them (:func:`torch.func.functional_call`), and after the
+backward moves their gradients into the float32 parameters' ``.grad`` with one more. Values are those of plain autocast: the copy rounds as the
+cast does, and the gradient reaching the copy is the one the cast's backward would convert, exactly. A step that
+differentiates with ``torch.autograd.grad`` (:class:`gem.loop.StaticStep`, inside a CUDA graph) asks for the
+copies' gradients (:meth:`CastOnce.grad_targets`) and converts them with :meth:`CastOnce.float_grads`.
 
 Which parameters qualify is read from one traced forward (:meth:`CastOnce.discover`): a parameter whose
 autograd node is reached only through a single cast to the autocast dtype (``ToCopyBackward0``), and never
@@ -21,6 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels import multi_copy
 
 
 class _CastDtypes(TorchDispatchMode):
@@ -95,6 +99,8 @@ class CastOnce:
         self.copies = [torch.empty_like(p, dtype=self.dtype).requires_grad_() for p in self.params]
         self.grads = [torch.empty_like(p) for p in self.params]
         self.discovered = True
+        # The first refresh, outside any CUDA graph capture: the copy kernel's table for these tensors is made here.
+        self.refresh()
         return loss
 
     def run(self, compute: Callable[[Callable], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -116,7 +122,7 @@ class CastOnce:
         """Copy the float32 parameters into their low-precision copies (one multi-tensor copy)."""
         if self.copies:
             with torch.no_grad():
-                torch._foreach_copy_(self.copies, self.params)
+                multi_copy(self.copies, self.params)
             for copy in self.copies:
                 copy.grad = None
 
@@ -126,6 +132,31 @@ class CastOnce:
             return self.model(*args, **kwargs)
         return torch.func.functional_call(self.model, dict(zip(self.names, self.copies, strict=True)), args, kwargs, strict=False)
 
+    def grad_targets(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """What the forward reads each of ``params`` through, to differentiate with ``torch.autograd.grad``: its
+        low-precision copy once discovered, else the parameter itself. Called before :meth:`run`, whose first
+        (discovering) call runs the model on its own parameters."""
+        if not self.discovered:
+            return list(params)
+        copy_of = {id(p): copy for p, copy in zip(self.params, self.copies, strict=True)}
+        return [copy_of.get(id(p), p) for p in params]
+
+    def float_grads(self, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """``grads`` of :meth:`grad_targets` ``(params)``, the copies' converted to their parameters' float32 in
+        this object's buffers by one multi-tensor copy (the values autocast's cast backward gives); the buffers are
+        overwritten by the next call."""
+        buffer_of = {id(p): buffer for p, buffer in zip(self.params, self.grads, strict=True)}
+        out, targets, sources = list(grads), [], []
+        for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
+            buffer = buffer_of.get(id(p))
+            if buffer is not None and grad is not None and grad.dtype != p.dtype:
+                targets.append(buffer)
+                sources.append(grad)
+                out[i] = buffer
+        if targets:
+            multi_copy(targets, sources)
+        return out
+
     def collect_grads(self) -> None:
         """Add the copies' gradients to their float32 parameters' ``.grad`` (one multi-tensor copy)."""
         fresh, accumulate = [], []
@@ -133,7 +164,7 @@ class CastOnce:
             if copy.grad is not None:
                 (fresh if p.grad is None else accumulate).append(i)
         if fresh:
-            torch._foreach_copy_([self.grads[i] for i in fresh], [self.copies[i].grad for i in fresh])
+            multi_copy([self.grads[i] for i in fresh], [self.copies[i].grad for i in fresh])
             for i in fresh:
                 self.params[i].grad = self.grads[i]
         for i in accumulate:
