@@ -240,7 +240,11 @@ class StaticStep:
         with torch.no_grad():
             for leaf, value in zip(slot.leaves, produced, strict=True):
                 leaf.copy_(value)
+        discovered = self.cast_once is not None and self.cast_once.discovered
         losses, grads = self.run_dense(slot)
+        if self.cast_once is not None and not discovered and self.cast_once.discovered:
+            copied = sum(p.numel() for p in self.cast_once.params)
+            self.log(f"cast once: {len(self.cast_once.params)} parameters ({copied / 1e6:.1f}M values) get bf16 copies")
         if self.cast_once is not None:
             # After the graph, not in it: its gradients' addresses are fixed only once it is captured, and the
             # one-launch copy needs them before (kernels/triton/multi_copy.py).
