@@ -45,7 +45,9 @@ class _CastDtypes(TorchDispatchMode):
 def single_cast_parameters(model: nn.Module, loss: torch.Tensor, casts: dict[int, set[torch.dtype]], dtype: torch.dtype) -> list[str]:
     """Names of ``model``'s float32 parameters that ``loss``'s autograd graph reaches only through one cast,
     and that forward cast only to ``dtype`` (``casts``: storage pointer -> dtypes, from :class:`_CastDtypes`)."""
-    users: dict[int, list[str]] = defaultdict(list)  # id(AccumulateGrad) -> names of the nodes feeding it
+    # id(node) -> names of the nodes feeding it; the parameters' accumulators are looked up by identity, not by
+    # their class's name (which is not the same in every torch build).
+    users: dict[int, list[str]] = defaultdict(list)
     seen, stack = set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
@@ -53,7 +55,7 @@ def single_cast_parameters(model: nn.Module, loss: torch.Tensor, casts: dict[int
             continue
         seen.add(id(node))
         for child, _ in node.next_functions:
-            if child is not None and type(child).__name__ == "AccumulateGrad":
+            if child is not None:
                 users[id(child)].append(type(node).__name__)
             stack.append(child)
     names = []
