@@ -5,8 +5,9 @@ casts their bf16 gradients back to float32: two kernel launches per parameter pe
 a deep model, each costing the host as much as a GEMM launch. :class:`CastOnce` keeps low-precision copies
 of the parameters whose every use is such a cast, refreshes them with one multi-tensor copy per step
 (:func:`kernels.multi_copy`), runs the forward on them (:func:`torch.func.functional_call`), and after the
-backward moves their gradients into the float32 parameters' ``.grad`` with one more. Values are those of plain autocast: the copy rounds as the
-cast does, and the gradient reaching the copy is the one the cast's backward would convert, exactly. A step that
+backward moves their gradients into the float32 parameters' ``.grad`` with one more. Values are those of plain
+autocast: the copy rounds as the cast does, and the gradient reaching the copy is the one the cast's backward
+would convert, exactly. A step that
 differentiates with ``torch.autograd.grad`` (:class:`gem.loop.StaticStep`, inside a CUDA graph) asks for the
 copies' gradients (:meth:`CastOnce.grad_targets`) and converts them with :meth:`CastOnce.float_grads`.
 
