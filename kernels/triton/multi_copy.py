@@ -98,16 +98,20 @@ def _tables(key: tuple, dsts, srcs, layouts):
     if cached is not None:
         _TABLES.move_to_end(key)
         return cached
-    rows, programs = [], []
-    for t, (d, s, lay) in enumerate(zip(dsts, srcs, layouts, strict=True)):
-        n = d.numel()
-        rows.append([s.data_ptr(), d.data_ptr(), n, *lay])
-        aligned = lay[0] == 0 and s.data_ptr() % 16 == 0 and d.data_ptr() % 16 == 0
-        programs.extend((t, start, int(aligned and start + BLOCK <= n)) for start in range(0, n, BLOCK))
+    rows = torch.tensor([[s.data_ptr(), d.data_ptr(), d.numel(), *lay] for d, s, lay in zip(dsts, srcs, layouts,
+                                                                                           strict=True)])
+    # The programs' table, built with tensor ops: a model's weights need ~10^5 programs.
+    numel = rows[:, 2]
+    blocks = (numel + BLOCK - 1) // BLOCK
+    tensor = torch.repeat_interleave(torch.arange(len(rows)), blocks)
+    start = (torch.arange(len(tensor)) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)) * BLOCK
+    aligned = (rows[:, 3] == 0) & (rows[:, 0] % 16 == 0) & (rows[:, 1] % 16 == 0)
+    whole = aligned[tensor] & (start + BLOCK <= numel[tensor])
+    programs = torch.stack([tensor, start, whole.long()], 1)
     device = dsts[0].device
     pin = device.type == "cuda"
-    tensors = torch.tensor(rows, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
-    table = torch.tensor(programs, dtype=torch.int64, pin_memory=pin).reshape(-1, 3).to(device, non_blocking=True)
+    tensors = (rows.pin_memory() if pin else rows).to(device, non_blocking=True)
+    table = (programs.pin_memory() if pin else programs).to(device, non_blocking=True)
     _TABLES[key] = cached = (tensors, table, len(programs))
     while len(_TABLES) > KEEP_TABLES:
         _TABLES.popitem(last=False)
