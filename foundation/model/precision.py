@@ -46,32 +46,30 @@ class _CastDtypes(TorchDispatchMode):
 def single_cast_parameters(model: nn.Module, loss: torch.Tensor, casts: dict[int, set[torch.dtype]], dtype: torch.dtype) -> list[str]:
     """Names of ``model``'s float32 parameters that ``loss``'s autograd graph reaches only through one cast,
     and that forward cast only to ``dtype`` (``casts``: storage pointer -> dtypes, from :class:`_CastDtypes`)."""
-    # id(node) -> names of the nodes feeding it; the parameters' accumulators are looked up by identity, not by
-    # their class's name (which is not the same in every torch build).
+    # Autograd hands out a fresh Python wrapper for a node whenever the last one died, so ``id`` of a wrapper is
+    # only an identity while the wrapper lives: ``visited`` keeps every node's alive for the whole walk. An
+    # accumulator is recognised by its ``variable`` (the leaf it feeds), not by its class name.
     users: dict[int, list[str]] = defaultdict(list)
-    seen, stack = set(), [loss.grad_fn]
+    visited: dict[int, object] = {}
+    stack = [loss.grad_fn]
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in visited:
             continue
-        seen.add(id(node))
+        visited[id(node)] = node
         for child, _ in node.next_functions:
-            if child is not None:
-                users[id(child)].append(type(node).__name__)
+            leaf = getattr(child, "variable", None)
+            if leaf is not None:
+                users[id(leaf)].append(type(node).__name__)
             stack.append(child)
     names = []
     for name, p in model.named_parameters():
         if p.dtype != torch.float32 or not p.requires_grad or p.grad_fn is not None:
             continue
-        only_cast = users.get(id(_accumulate_grad(p))) == ["ToCopyBackward0"]
+        only_cast = users.get(id(p)) == ["ToCopyBackward0"]
         if only_cast and casts.get(p.untyped_storage().data_ptr()) == {dtype}:
             names.append(name)
     return names
-
-
-def _accumulate_grad(p: torch.Tensor):
-    """The AccumulateGrad node autograd uses for leaf ``p`` (the same object for every graph while p lives)."""
-    return p.view_as(p).grad_fn.next_functions[0][0]
 
 
 class CastOnce:
