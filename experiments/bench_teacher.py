@@ -246,6 +246,7 @@ def train(
         if args.precompile and "precompile" not in marks:
             marks["precompile"] = precompile_step(
                 model, batch.to(device), autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None,
+                cast_dtype=torch.bfloat16 if args.precision == "bf16" and args.cast_once else None,
                 pool=pool, workers=args.precompile_workers or None, key=key, log=log_line,
             )
             if pool is not None:
@@ -652,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", type=int, default=4096, help="row cap per batch (the token budget binds first)")
     parser.add_argument("--max-history", type=int, default=0, help="history truncation (0: the flavor's max_len)")
     parser.add_argument(
-        "--token-budget", type=int, default=16384, help="history tokens per batch (65536 OOMs `large` on an H200)"
+        "--token-budget", type=int, default=16384, help="history tokens per batch (MFU and memory against it: docs/benchmarks.md)"
     )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")

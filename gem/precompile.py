@@ -20,6 +20,7 @@ from torch import nn
 import foundation
 from foundation.data.batch import JaggedBatch
 from gem.loop import autocast
+from kernels import multi_copy
 from kernels.precompile import (
     KernelCompilePool,
     LaunchRecord,
@@ -63,6 +64,7 @@ def record_step(
     *,
     autocast_dtype: torch.dtype | None,
     forward: Callable[[JaggedBatch], object] | None = None,
+    cast_dtype: torch.dtype | None = None,
 ) -> LaunchRecord:
     """The Triton launches of one training step of ``model`` on the device batch ``batch``: ``model.loss(batch,
     forward(batch))`` under autocast to ``autocast_dtype`` (``forward`` defaults to ``model``) and its gradients
@@ -71,8 +73,10 @@ def record_step(
 
     Leaves nothing behind: the random state is forked (the real step draws the same negatives and dropout), the
     gradients are returned by ``torch.autograd.grad`` and dropped (no ``.grad`` is touched) and the buffers are
-    restored. The step's parameter casts (:class:`~foundation.model.precision.CastOnce`, the same values and
-    dtypes as autocast's) and optimizer launch no Triton kernel and are left out.
+    restored. ``cast_dtype``: the dtype of the step's :class:`~foundation.model.precision.CastOnce` copies, whose
+    copy kernel (:func:`kernels.multi_copy`: the parameters into their copies, the copies' gradients back) is
+    recorded on one-element stand-ins, the parameters it copies being known only after the first step's forward.
+    The optimizer launches no Triton kernel.
     """
     forward = forward or model
     device = batch.candidate.device
@@ -83,11 +87,23 @@ def record_step(
             with autocast(device, autocast_dtype):
                 loss = model.loss(batch, forward(batch))["loss"]
             torch.autograd.grad(loss, params, allow_unused=True)
+            if cast_dtype is not None:
+                launch_cast_copies(device, cast_dtype)
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
     return record
+
+
+def launch_cast_copies(device: torch.device, dtype: torch.dtype) -> None:
+    """The copy launches of a :class:`~foundation.model.precision.CastOnce` step to ``dtype`` on ``device`` (float32
+    into ``dtype``, and back), on one-element stand-ins: what Triton specialises the kernel on (dtypes, 16-byte
+    aligned addresses) is what the parameters and their copies give."""
+    full = torch.empty(1, device=device)
+    low = torch.empty(1, dtype=dtype, device=device)
+    multi_copy([low], [full])
+    multi_copy([full], [low])
 
 
 def precompile_step(
@@ -96,13 +112,15 @@ def precompile_step(
     *,
     autocast_dtype: torch.dtype | None,
     forward: Callable[[JaggedBatch], object] | None = None,
+    cast_dtype: torch.dtype | None = None,
     pool: KernelCompilePool | None = None,
     workers: int | None = None,
     key: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Record the step's launches on ``batch`` (:func:`record_step`) and compile them into Triton's cache
-    (:func:`kernels.precompile.precompile`, in ``pool`` when given) before the real step runs.
+    (:func:`kernels.precompile.precompile`, in ``pool`` when given) before the real step runs; ``cast_dtype`` as
+    there.
 
     With ``key`` (:func:`step_key`): skipped, with one logged line, when the step's manifest says the cache holds
     its kernels (:func:`kernels.precompile.cached_step`, which also settles this process's kernel keys, so the
@@ -123,7 +141,7 @@ def precompile_step(
     start = time.perf_counter()
     if not reason:
         try:
-            record = record_step(model, batch, autocast_dtype=autocast_dtype, forward=forward)
+            record = record_step(model, batch, autocast_dtype=autocast_dtype, forward=forward, cast_dtype=cast_dtype)
         except Exception as err:
             reason = f"recording the step failed: {type(err).__name__}: {str(err).strip()[:200]}"
     if reason:

@@ -150,10 +150,13 @@ class PrecompileKernels(L.Callback):
         if not self._enabled(pl_module):
             return
         split = pl_module.cfg.data.train_split
+        options = pl_module.step_options
         try:
             self.report = precompile_step(
-                pl_module.model, batch, autocast_dtype=pl_module.step_options.autocast_dtype,
-                forward=lambda b: pl_module.forward_batch(b, split), pool=self.pool, key=self.key, log=_log.info,
+                pl_module.model, batch, autocast_dtype=options.autocast_dtype,
+                forward=lambda b: pl_module.forward_batch(b, split),
+                cast_dtype=options.autocast_dtype if options.cast_once else None, pool=self.pool, key=self.key,
+                log=_log.info,
             )
         finally:
             self.close(wait=False)

@@ -118,6 +118,30 @@ def test_the_record_of_a_padded_batch_holds_every_launch_of_the_bucketed_step(on
     assert record.specs == real.specs and record.launches == real.launches
 
 
+def test_the_record_holds_the_cast_once_copies_of_the_first_steps(on_triton):
+    """With ``cast_dtype`` the record also holds the copy kernel of a step that casts once (``bench_teacher`` and
+    ``gem train`` by default): the first step's refresh of the copies and, from the second step on, the gradients'
+    conversion, for parameters that only the first step's forward finds."""
+    from foundation.model.padding import StaticShapes, pad_batch
+    from foundation.model.precision import CastOnce
+    from gem.loop import GraphConfig, StaticStep
+
+    model = tiny_teacher()
+    batch = pad_batch(make_batch(CTR_SCHEMA, [0, 1, 5, 9, 3, 2]), StaticShapes(tokens=48, rows=(8, 16), max_len=12))
+    plain = record_step(model, batch, autocast_dtype=torch.bfloat16)
+    record = record_step(model, batch, autocast_dtype=torch.bfloat16, cast_dtype=torch.bfloat16)
+    cast = CastOnce(model)
+    step = StaticStep(model, torch.optim.AdamW(model.parameters()), autocast_dtype=torch.bfloat16,
+                      config=GraphConfig(), cast_once=cast)
+    with record_launches() as real:
+        step(batch)
+        step(batch)
+    assert cast.names
+    copies = [s for s in record.specs if s not in plain.specs]
+    assert len(copies) == 2 and {s.name for s in copies} == {"_multi_copy_kernel"}
+    assert set(record.specs) == set(real.specs)
+
+
 def test_records_are_deterministic(on_triton):
     batch = make_batch(CTR_SCHEMA, [4, 0, 7])
     first = record_step(tiny_teacher(), batch, autocast_dtype=None)
