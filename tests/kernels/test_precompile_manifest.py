@@ -8,7 +8,9 @@ the test's own; no CUDA needed: the decision is the manifest against the files i
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
+import pkgutil
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +20,7 @@ import torch
 
 import gem.precompile
 import kernels.precompile
+import kernels.triton
 from gem.precompile import module_identity, precompile_step, step_key, warm_cache
 from kernels.precompile import (
     MANIFESTS,
@@ -36,6 +39,10 @@ ENTRIES = {"AAAA": ["__grp__k.json", "k.cubin", "k.json"], "BBBB": ["__grp__g.js
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     """A Triton cache of the test's own, holding the entries ``ENTRIES``, read as by a process that compiles."""
+    # Triton decides at a kernel's definition whether it interprets it: defined while the variable is unset, a
+    # kernel would try to compile in every later test of the run.
+    for module in pkgutil.iter_modules(kernels.triton.__path__, "kernels.triton."):
+        importlib.import_module(module.name)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     directory = tmp_path / "cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(directory))
