@@ -47,7 +47,7 @@ def single_cast_parameters(model: nn.Module, loss: torch.Tensor, casts: dict[int
     """Names of ``model``'s float32 parameters that ``loss``'s autograd graph reaches only through one cast,
     and that forward cast only to ``dtype`` (``casts``: storage pointer -> dtypes, from :class:`_CastDtypes`)."""
     # Autograd hands out a fresh Python wrapper for a node whenever the last one died, so ``id`` of a wrapper is
-    # only an identity while the wrapper lives: ``visited`` keeps every node's alive for the whole walk. An
+    # only an identity while the wrapper lives: ``visited`` keeps every node's wrapper alive for the whole walk. An
     # accumulator is recognised by its ``variable`` (the leaf it feeds), not by its class name.
     users: dict[int, list[str]] = defaultdict(list)
     visited: dict[int, object] = {}
