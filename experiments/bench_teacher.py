@@ -653,7 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", type=int, default=4096, help="row cap per batch (the token budget binds first)")
     parser.add_argument("--max-history", type=int, default=0, help="history truncation (0: the flavor's max_len)")
     parser.add_argument(
-        "--token-budget", type=int, default=16384, help="history tokens per batch (MFU and memory against it: docs/benchmarks.md)"
+        "--token-budget", type=int, default=16384,
+        help="history tokens per batch (MFU and memory against it: docs/benchmarks.md)",
     )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")

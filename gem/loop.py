@@ -192,8 +192,8 @@ class StaticStep:
     :func:`train_step`. ``cast_once`` (a :class:`~foundation.model.precision.CastOnce` of ``model``, under autocast)
     refreshes the low-precision copies of the parameters autocast would cast at every use inside the graph, in one
     multi-tensor copy, and converts their gradients back after it in another (same values), where autocast would
-    launch two casts per parameter. If a capture fails, one line goes to ``log`` and every later step runs eagerly. A call
-    returns ``model.loss``'s terms (device scalars; ``"loss"`` is the total). The random numbers are drawn in
+    launch two casts per parameter. If a capture fails, one line goes to ``log`` and every later step runs eagerly.
+    A call returns ``model.loss``'s terms (device scalars; ``"loss"`` is the total). The random numbers are drawn in
     the eager step's order (negatives in the lookups, then dropout), so without a graph it trains exactly as
     :func:`train_step` on the same batches.
     """
@@ -243,8 +243,9 @@ class StaticStep:
         discovered = self.cast_once is not None and self.cast_once.discovered
         losses, grads = self.run_dense(slot)
         if self.cast_once is not None and not discovered and self.cast_once.discovered:
-            copied = sum(p.numel() for p in self.cast_once.params)
-            self.log(f"cast once: {len(self.cast_once.params)} parameters ({copied / 1e6:.1f}M values) get {self.cast_once.dtype} copies")
+            params = self.cast_once.params
+            copied = sum(p.numel() for p in params) / 1e6
+            self.log(f"cast once: {len(params)} parameters ({copied:.1f}M values) get {self.cast_once.dtype} copies")
         if self.cast_once is not None:
             # After the graph, not in it: its gradients' addresses are fixed only once it is captured, and the
             # one-launch copy needs them before (kernels/triton/multi_copy.py).

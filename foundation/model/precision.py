@@ -7,9 +7,9 @@ of the parameters whose every use is such a cast, refreshes them with one multi-
 (:func:`kernels.multi_copy`), runs the forward on them (:func:`torch.func.functional_call`), and after the
 backward moves their gradients into the float32 parameters' ``.grad`` with one more. Values are those of plain
 autocast: the copy rounds as the cast does, and the gradient reaching the copy is the one the cast's backward
-would convert, exactly. A step that
-differentiates with ``torch.autograd.grad`` (:class:`gem.loop.StaticStep`, inside a CUDA graph) asks for the
-copies' gradients (:meth:`CastOnce.grad_targets`) and converts them with :meth:`CastOnce.float_grads`.
+would convert, exactly. A step that differentiates with ``torch.autograd.grad`` (:class:`gem.loop.StaticStep`,
+inside a CUDA graph) asks for the copies' gradients (:meth:`CastOnce.grad_targets`) and converts them with
+:meth:`CastOnce.float_grads`.
 
 Which parameters qualify is read from one traced forward (:meth:`CastOnce.discover`): a parameter whose
 autograd node is reached only through a single cast to the autocast dtype (``ToCopyBackward0``), and never
