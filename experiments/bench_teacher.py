@@ -60,9 +60,12 @@ a proxy for the GPU step's host work. Trailing ``field=value`` arguments overrid
 ``--precompile`` (default on CUDA) records the first batch's Triton launches before its step and compiles them in
 ``--precompile-workers`` processes started as the script starts, before it imports torch (:mod:`gem.compile_workers`,
 :mod:`gem.precompile`, :mod:`kernels.precompile`), so a machine with an empty Triton cache does not compile them one
-after another inside the first step; ``precompile_s`` (recording and compiling) is part of the first step's time
-(``first_step_parts``: the build, the first batch's wait, the precompile, the step itself and the rest, adding up to
-the time from the build's start; ``precompile.slowest``: the specs that took longest). After the first step
+after another inside the first step. Each kernel goes to the workers as the recording meets it, and the first step
+runs while they compile, each launch waiting for its own kernel only; ``precompile_s`` (the recording) is part
+of the first step's time (``first_step_parts``: the build, the first batch's wait, the recording, the step itself,
+its waits included, and the rest, adding up to the time from the build's start; ``precompile.compile_s``: the
+compiles, from the first spec recorded; ``precompile.waited_s``/``waited_for``: what the step's launches waited
+for; ``precompile.slowest``: the specs that took longest). After the first step
 one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
 in Triton's cache: what the precompile missed). A precompile that compiled every kernel leaves a manifest in the
 cache, keyed by what decides the step's kernels (:func:`precompile_key`); a later run of the same step on that cache
@@ -139,7 +142,7 @@ from foundation.model.precision import CastOnce  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
 from gem.loop import GraphConfig, StaticStep  # noqa: E402
-from gem.precompile import precompile_step, step_key, warm_cache  # noqa: E402
+from gem.precompile import start_precompile_step, step_key, warm_cache  # noqa: E402
 from kernels.precompile import (  # noqa: E402
     KernelCompilePool,
     cache_entries,
@@ -243,19 +246,25 @@ def train(
         rows.append(real)
         max_lens.append(int(batch.lengths[:real].max()) if real else 0)
         padded.append(isinstance(batch, PaddedBatch))
+        started = None
         if args.precompile and "precompile" not in marks:
-            marks["precompile"] = precompile_step(
+            started = start_precompile_step(
                 model, batch.to(device), autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None,
                 cast_dtype=torch.bfloat16 if args.precision == "bf16" and args.cast_once else None,
                 pool=pool, workers=args.precompile_workers or None, key=key, log=log_line,
             )
-            if pool is not None:
-                pool.close(wait=False)
+            marks["precompile"] = started.result
         first = "first_step_process_s" not in marks
         cached = cache_entries() if first else frozenset()
         step_start = time.perf_counter()
         overlap = args.overlap_steps and not first
-        loss = step(batch, sync=not overlap)
+        with started.gate() if started is not None else contextlib.nullcontext():
+            loss = step(batch, sync=not overlap)
+        if started is not None:
+            marks["precompile"] = started.finish()
+            cached |= frozenset(marks["precompile"].pop("entries", ()))  # the pool's, written during the step
+            if pool is not None:
+                pool.close(wait=False)
         if overlap:
             now = finish(pending) if pending is not None else time.perf_counter()
             pending = loss
@@ -634,8 +643,9 @@ def save_tuned(path: Path) -> None:
 
 
 def precompile_seconds(report: dict | None) -> float | None:
-    """Recording plus compiling the first step's kernels (None without ``--precompile``)."""
-    return report["record_s"] + report["compile_s"] if report else None
+    """What the precompile held the first step back: its recording, which the compiles overlap, as they overlap the
+    step, whose launches wait only for their own kernels (``waited_s``); None without ``--precompile``."""
+    return report["record_s"] if report else None
 
 
 def _triton_version() -> str | None:

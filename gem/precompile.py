@@ -1,17 +1,21 @@
 """A training step's Triton kernels compiled before its first run: the trainers' side of :mod:`kernels.precompile`.
 
 :func:`record_step` runs one step's forward and backward with the kernels' launches recorded instead of run;
-:func:`precompile_step` compiles what it recorded in a process pool before the real step, or, given the step's
-key (:func:`step_key`) and a cache that holds what the step needs (:func:`kernels.precompile.cached_step`), does
-neither: on a warm cache both cost seconds and compile nothing. Used by the Lightning
+:func:`start_precompile_step` sends each kernel it records to a process pool's compile workers as it meets it,
+and the real step runs while they compile, each of its launches waiting only for its own kernel
+(:meth:`StepPrecompile.gate`); :func:`precompile_step` waits for them all instead. Given the step's key
+(:func:`step_key`) and a cache that holds what the step needs (:func:`kernels.precompile.cached_step`), neither
+records nor compiles: on a warm cache both cost seconds and compile nothing. Used by the Lightning
 harness (:class:`gem.train.PrecompileKernels`, ``train.precompile_kernels``) and by
 ``experiments/bench_teacher.py --precompile``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,12 +26,17 @@ from foundation.data.batch import JaggedBatch
 from gem.loop import autocast
 from kernels import multi_copy
 from kernels.precompile import (
+    SLOWEST_REPORTED,
+    CompileJob,
     KernelCompilePool,
     LaunchRecord,
+    LaunchSpec,
     cached_step,
-    precompile,
+    launches_wait_for,
     record_launches,
     skip_reason,
+    summary_line,
+    write_manifest,
 )
 from kernels.precompile import step_key as kernels_step_key
 
@@ -65,6 +74,7 @@ def record_step(
     autocast_dtype: torch.dtype | None,
     forward: Callable[[JaggedBatch], object] | None = None,
     cast_dtype: torch.dtype | None = None,
+    on_spec: Callable[[LaunchSpec], object] | None = None,
 ) -> LaunchRecord:
     """The Triton launches of one training step of ``model`` on the device batch ``batch``: ``model.loss(batch,
     forward(batch))`` under autocast to ``autocast_dtype`` (``forward`` defaults to ``model``) and its gradients
@@ -76,14 +86,15 @@ def record_step(
     restored. ``cast_dtype``: the dtype of the step's :class:`~foundation.model.precision.CastOnce` copies, whose
     copy kernel (:func:`kernels.multi_copy`: the parameters into their copies, the copies' gradients back) is
     recorded on one-element stand-ins, the parameters it copies being known only after the first step's forward.
-    The optimizer launches no Triton kernel.
+    The optimizer launches no Triton kernel. ``on_spec``: called with each spec as it is first launched
+    (:func:`kernels.precompile.record_launches`).
     """
     forward = forward or model
     device = batch.candidate.device
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = [(b, b.clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), record_launches() as record:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), record_launches(on_spec) as record:
             with autocast(device, autocast_dtype):
                 loss = model.loss(batch, forward(batch))["loss"]
             torch.autograd.grad(loss, params, allow_unused=True)
@@ -106,6 +117,111 @@ def launch_cast_copies(device: torch.device, dtype: torch.dtype) -> None:
     multi_copy([full], [low])
 
 
+@dataclass
+class StepPrecompile:
+    """A first step's precompile (:func:`start_precompile_step`): recorded, its compiles under way in ``job`` (None
+    where it was skipped: ``result`` then holds the report). Run the step inside :meth:`gate`, then :meth:`finish`."""
+
+    result: dict
+    job: CompileJob | None = None
+    pool: KernelCompilePool | None = None
+    owned: bool = False
+    key: str | None = None
+    log: Callable[[str], None] = print
+
+    def gate(self) -> contextlib.AbstractContextManager:
+        """Inside, each Triton launch of a kernel still compiling waits for that kernel only
+        (:func:`kernels.precompile.launches_wait_for`); the rest of the step runs meanwhile."""
+        return launches_wait_for(self.job) if self.job is not None else contextlib.nullcontext()
+
+    def finish(self) -> dict:
+        """Wait for the compiles left, log the summary, write the step's manifest where every spec compiled, close a
+        pool made here; returns the report (:func:`precompile_step`). Idempotent."""
+        if self.job is None or "compiled" in self.result:  # skipped, or finished
+            return self.result
+        try:
+            report = self.job.report()
+        finally:
+            if self.owned:
+                self.pool.close(wait=False)
+        self.log(summary_line(report))
+        if self.key is not None and not report.failed:
+            write_manifest(self.key, report, log=self.log)
+        waited = sum(self.job.waited.values())
+        self.result.update(
+            compiled=report.compiled, failed=report.failed, compile_s=report.seconds, workers=report.workers,
+            skipped=report.skipped, slowest=[list(s) for s in report.slowest], entries=report.entries,
+            waited_s=waited, waited_for=[[name, round(t, 3)] for name, t in self.job.waited.most_common(SLOWEST_REPORTED)],
+        )
+        return self.result
+
+
+def start_precompile_step(
+    model: nn.Module,
+    batch: JaggedBatch,
+    *,
+    autocast_dtype: torch.dtype | None,
+    forward: Callable[[JaggedBatch], object] | None = None,
+    cast_dtype: torch.dtype | None = None,
+    pool: KernelCompilePool | None = None,
+    workers: int | None = None,
+    key: str | None = None,
+    log: Callable[[str], None] = print,
+) -> StepPrecompile:
+    """Record the step's launches on ``batch`` (:func:`record_step`; ``cast_dtype`` as there), each spec sent to
+    ``pool``'s workers (made here, of ``workers`` processes, when not given) as the recording meets it, and return
+    while they compile: the step then runs inside :meth:`StepPrecompile.gate`, its early launches overlapping the
+    compiles of its late ones, and :meth:`StepPrecompile.finish` waits for the rest and reports.
+
+    With ``key`` (:func:`step_key`): skipped, with one logged line, when the step's manifest says the cache holds
+    its kernels (:func:`kernels.precompile.cached_step`, which also settles this process's kernel keys, so the
+    step's launches find the entries under the keys an earlier pool's workers compiled them: call this before the
+    step's first launch); otherwise a precompile that compiles every spec writes that manifest for the next start.
+
+    A logged no-op where nothing compiles (Triton's interpreter, no CUDA). Never raises: a kernel that fails to
+    compile, a pool that cannot start, or a step that fails to record (the real step will then meet the same error),
+    costs one logged line, and the kernels compile at their launches, as without this.
+    """
+    reason = skip_reason(["step"])
+    cached = False
+    if not reason and key is not None:
+        reason = cached_step(key, log=log)
+        cached = bool(reason)
+    owned = pool is None
+    start = time.perf_counter()
+    # A pool given starts on each spec as the recording meets it; one made here starts after the recording, which
+    # costs no processes when the recording fails.
+    job = pool.start() if not reason and not owned else None
+    if not reason:
+        try:
+            record = record_step(model, batch, autocast_dtype=autocast_dtype, forward=forward, cast_dtype=cast_dtype,
+                                 on_spec=job.add if job is not None else None)
+            if batch.candidate.is_cuda:
+                torch.cuda.synchronize(batch.candidate.device)
+            record_s = time.perf_counter() - start
+            reason = "" if record.specs else "no Triton launches recorded"
+        except Exception as err:
+            reason = f"recording the step failed: {type(err).__name__}: {str(err).strip()[:200]}"
+    if not reason and job is None:
+        try:
+            pool = KernelCompilePool(workers, device=batch.candidate.device.index or 0)
+            job = pool.start(record.specs)
+        except Exception as err:
+            reason = f"no pool: {type(err).__name__}: {str(err).strip()[:200]}"
+    if reason and job is not None:
+        job.report()
+        if owned:
+            pool.close(wait=False)
+    if reason:
+        log(f"kernel precompile: skipped ({reason})")
+        return StepPrecompile({"specs": 0, "launches": 0, "record_s": 0.0, "compiled": 0, "failed": [],
+                               "compile_s": 0.0, "workers": 0, "skipped": reason, "cached": cached, "slowest": [],
+                               "waited_s": 0.0, "waited_for": []})
+    result = {"specs": len(record.specs), "launches": sum(record.launches.values()), "record_s": record_s,
+              "skipped": "", "cached": False}
+    return StepPrecompile(result, job=job, pool=pool, owned=owned, key=key, log=log)
+
+
 def precompile_step(
     model: nn.Module,
     batch: JaggedBatch,
@@ -118,42 +234,11 @@ def precompile_step(
     key: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Record the step's launches on ``batch`` (:func:`record_step`) and compile them into Triton's cache
-    (:func:`kernels.precompile.precompile`, in ``pool`` when given) before the real step runs; ``cast_dtype`` as
-    there.
-
-    With ``key`` (:func:`step_key`): skipped, with one logged line, when the step's manifest says the cache holds
-    its kernels (:func:`kernels.precompile.cached_step`, which also settles this process's kernel keys, so the
-    step's launches find the entries under the keys an earlier pool's workers compiled them: call this before the
-    step's first launch); otherwise a precompile that compiles every spec writes that manifest for the next start.
-
-    A logged no-op where nothing compiles (Triton's interpreter, no CUDA). Never raises: a kernel that fails to
-    compile, or a step that fails to record (the real step will then meet the same error), costs one logged line,
-    and the kernels compile at their launches, as without this. Returns ``{"specs", "launches", "record_s",
-    "compiled", "failed", "compile_s", "workers", "skipped", "cached", "slowest"}`` (``cached``: skipped on the manifest;
-    ``slowest``: :attr:`kernels.precompile.PrecompileReport.slowest`).
-    """
-    reason = skip_reason(["step"])
-    cached = False
-    if not reason and key is not None:
-        reason = cached_step(key, log=log)
-        cached = bool(reason)
-    start = time.perf_counter()
-    if not reason:
-        try:
-            record = record_step(model, batch, autocast_dtype=autocast_dtype, forward=forward, cast_dtype=cast_dtype)
-        except Exception as err:
-            reason = f"recording the step failed: {type(err).__name__}: {str(err).strip()[:200]}"
-    if reason:
-        log(f"kernel precompile: skipped ({reason})")
-        return {"specs": 0, "launches": 0, "record_s": 0.0, "compiled": 0, "failed": [], "compile_s": 0.0,
-                "workers": 0, "skipped": reason, "cached": cached, "slowest": []}
-    if batch.candidate.is_cuda:
-        torch.cuda.synchronize(batch.candidate.device)
-    record_s = time.perf_counter() - start
-    report = precompile(record.specs, workers, pool=pool, key=key, log=log).as_dict()
-    return {
-        "specs": len(record.specs), "launches": sum(record.launches.values()), "record_s": record_s,
-        "compiled": report["compiled"], "failed": report["failed"], "compile_s": report["seconds"],
-        "workers": report["workers"], "skipped": report["skipped"], "cached": False, "slowest": report["slowest"],
-    }
+    """:func:`start_precompile_step`, then wait for every compile before returning (no step overlaps them).
+    Returns ``{"specs", "launches", "record_s", "compiled", "failed", "compile_s", "workers", "skipped", "cached",
+    "slowest", "waited_s", "waited_for"}`` (``compile_s``: from the first spec recorded, so it overlaps
+    ``record_s``; ``cached``: skipped on the manifest; ``slowest``:
+    :attr:`kernels.precompile.PrecompileReport.slowest`; ``waited_*``: what launches inside the gate waited for)."""
+    started = start_precompile_step(model, batch, autocast_dtype=autocast_dtype, forward=forward, cast_dtype=cast_dtype,
+                                    pool=pool, workers=workers, key=key, log=log)
+    return started.finish()

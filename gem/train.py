@@ -10,6 +10,7 @@ switches in effect as params, and at the end its checkpoint and a plot of its lo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -38,7 +39,7 @@ from gem.datamodule import EventDataModule
 from gem.errors import ResumeError, TrainingError
 from gem.logs import route_library_loggers
 from gem.module import RecModule
-from gem.precompile import module_identity, precompile_step, step_key, warm_cache
+from gem.precompile import StepPrecompile, module_identity, start_precompile_step, step_key, warm_cache
 from gem.run_dir import RUN_CONFIG_FILE, check_same_run, record_config, remove_stale_temps, train_lock
 from gem.tracking import (
     MetricRecorder,
@@ -101,13 +102,14 @@ def run_dir(cfg: ExperimentConfig) -> Path:
 
 
 class PrecompileKernels(L.Callback):
-    """``train.precompile_kernels``: the first training batch's Triton kernels compiled in parallel before its step.
+    """``train.precompile_kernels``: the first training batch's Triton kernels compiled in parallel, overlapping it.
 
     The compile workers start when fitting starts (their start-up overlaps the data loader's); at the first
-    batch the module's step is recorded (:func:`gem.precompile.precompile_step`: forward through the module's
-    ``forward_batch``, under its autocast dtype) and compiled, then the workers end; after the step, one line names
-    the kernels it still compiled itself. Where the step's manifest says Triton's cache already holds its kernels
-    (the step's key: :func:`step_identity`), no worker starts and nothing is recorded. Off CUDA, in Triton's
+    batch the module's step is recorded (:func:`gem.precompile.start_precompile_step`: forward through the module's
+    ``forward_batch``, under its autocast dtype), each kernel sent to the workers as the recording meets it, and the
+    step runs while they compile, each launch waiting for its own kernel only; after it the workers end and one line
+    names the kernels it still compiled itself. Where the step's manifest says Triton's cache already holds its
+    kernels (the step's key: :func:`step_identity`), no worker starts and nothing is recorded. Off CUDA, in Triton's
     interpreter or where the module's resolved switch is off (:mod:`gem.step_options`), one logged line.
     """
 
@@ -117,6 +119,8 @@ class PrecompileKernels(L.Callback):
         self.pool: KernelCompilePool | None = None
         self.key: str | None = None
         self.done = False
+        self.started: StepPrecompile | None = None
+        self.gate = contextlib.ExitStack()  # the first step's launches wait for their kernels inside it
         self.report: dict | None = None
         self.cached: frozenset[str] | None = None  # Triton's cache entries before the first step
 
@@ -151,32 +155,46 @@ class PrecompileKernels(L.Callback):
             return
         split = pl_module.cfg.data.train_split
         options = pl_module.step_options
-        try:
-            self.report = precompile_step(
-                pl_module.model, batch, autocast_dtype=options.autocast_dtype,
-                forward=lambda b: pl_module.forward_batch(b, split),
-                cast_dtype=options.autocast_dtype if options.cast_once else None, pool=self.pool, key=self.key,
-                log=_log.info,
-            )
-        finally:
+        self.started = start_precompile_step(
+            pl_module.model, batch, autocast_dtype=options.autocast_dtype,
+            forward=lambda b: pl_module.forward_batch(b, split),
+            cast_dtype=options.autocast_dtype if options.cast_once else None, pool=self.pool, key=self.key,
+            log=_log.info,
+        )
+        self.report = self.started.result
+        if self.started.job is None:
             self.close(wait=False)
+        else:
+            self.gate.enter_context(self.started.gate())
         # After a skip on the manifest too: the line after the step shows whether the cache held what it said.
-        if self.report is not None and (not self.report["skipped"] or self.report["cached"]):
+        if not self.report["skipped"] or self.report["cached"]:
             self.cached = cache_entries()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        """After the first step: one line naming the kernels it still compiled itself (what the precompile missed)."""
+        """After the first step: the compiles' report, and one line naming the kernels the step still compiled
+        itself (what the precompile missed)."""
+        self.finish()
         if self.cached is not None:
-            compiled = compiled_since(self.cached)
+            compiled = compiled_since(self.cached | frozenset(self.report.pop("entries", ())))
             self.cached = None
-            if self.report is not None:
-                self.report["first_step_compiled"] = compiled
+            self.report["first_step_compiled"] = compiled
             _log.info(compiled_line("first step", compiled))
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.finish()
 
     def on_fit_end(self, trainer, pl_module) -> None:
         stop_workers(self.early_workers, wait=False)
         self.early_workers = []
+        self.finish()
         self.close()
+
+    def finish(self) -> None:
+        """Leave the first step's gate, wait for the compiles left and end the workers (without waiting for them)."""
+        self.gate.close()
+        if self.started is not None and self.started.job is not None:
+            self.report = self.started.finish()
+            self.close(wait=False)
 
     def close(self, *, wait: bool = True) -> None:
         """Ends the workers; ``wait=False`` before the first step, which need not wait for them to exit."""

@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import importlib
 import inspect
+import itertools
 import json
 import os
 import pickle
@@ -103,12 +104,15 @@ class LaunchRecord:
     _seen: set = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, spec: LaunchSpec) -> None:
+    def add(self, spec: LaunchSpec) -> bool:
+        """Count a launch of ``spec``; returns whether it is the first."""
         with self._lock:
             self.launches[spec.name] += 1
-            if spec not in self._seen:
-                self._seen.add(spec)
-                self.specs.append(spec)
+            if spec in self._seen:
+                return False
+            self._seen.add(spec)
+            self.specs.append(spec)
+            return True
 
 
 # The record in progress. A plain global, not a context variable: autograd runs a CUDA backward in a thread
@@ -122,33 +126,63 @@ def recording() -> bool:
 
 
 @contextlib.contextmanager
-def record_launches() -> Iterator[LaunchRecord]:
+def record_launches(on_spec: Callable[[LaunchSpec], object] | None = None) -> Iterator[LaunchRecord]:
     """Inside, every Triton kernel launch of the process is recorded into the yielded :class:`LaunchRecord`
-    and not run (module doc); explicit ``warmup`` calls pass through. Not re-entrant."""
+    and not run (module doc); explicit ``warmup`` calls pass through. ``on_spec`` is called with each spec at its
+    first launch (e.g. :meth:`CompileJob.add`: the compiles start while the recording goes on). Not re-entrant."""
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("record_launches is already active")
-    from triton.runtime import interpreter, jit
-
     record = LaunchRecord()
-    originals = {cls: cls.run for cls in (jit.JITFunction, interpreter.InterpretedFunction)}
 
     def wrap(run: Callable) -> Callable:
         def recorded_run(kernel, *args, grid, warmup, **kwargs):
             if warmup:
                 return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
-            record.add(launch_spec(kernel, args, kwargs))
+            spec = launch_spec(kernel, args, kwargs)
+            if record.add(spec) and on_spec is not None:
+                on_spec(spec)
             return None
 
         return recorded_run
 
-    for cls, run in originals.items():
-        cls.run = wrap(run)
     _ACTIVE = record
     try:
-        yield record
+        with _wrapped_launches(wrap):
+            yield record
     finally:
         _ACTIVE = None
+
+
+@contextlib.contextmanager
+def launches_wait_for(job: CompileJob) -> Iterator[None]:
+    """Inside, a Triton launch whose spec ``job`` is compiling waits for that compile (:meth:`CompileJob.wait_for`),
+    then runs, finding its kernel in the cache; other launches run at once. A first step run inside overlaps the
+    compiles of the kernels it launches late (the backward's) with its own earlier work. Not re-entrant."""
+
+    def wrap(run: Callable) -> Callable:
+        def gated_run(kernel, *args, grid, warmup, **kwargs):
+            if not warmup and job.pending():
+                job.wait_for(launch_spec(kernel, args, kwargs))
+            return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+        return gated_run
+
+    with _wrapped_launches(wrap):
+        yield
+
+
+@contextlib.contextmanager
+def _wrapped_launches(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Inside, the launches of compiled and interpreted Triton kernels go through ``wrap(their run)``."""
+    from triton.runtime import interpreter, jit
+
+    originals = {cls: cls.run for cls in (jit.JITFunction, interpreter.InterpretedFunction)}
+    for cls, run in originals.items():
+        cls.run = wrap(run)
+    try:
+        yield
+    finally:
         for cls, run in originals.items():
             cls.run = run
 
@@ -276,39 +310,14 @@ class KernelCompilePool:
         self.workers = len(self.processes)
         self.reaper: threading.Thread | None = None
 
+    def start(self, specs: Sequence[LaunchSpec] = (), *, timeout_s: float = COMPILE_TIMEOUT_S) -> CompileJob:
+        """Start compiling ``specs`` and return at once (:class:`CompileJob`: more specs can join while it runs)."""
+        return CompileJob(self.processes, specs, timeout_s=timeout_s)
+
     def compile(self, specs: Sequence[LaunchSpec], *, timeout_s: float = COMPILE_TIMEOUT_S) -> PrecompileReport:
-        """Compile ``specs`` (costliest first, see :func:`_cost`), wait for them, report; never raises. Workers still
-        busy after ``timeout_s`` are killed: a hung compile costs the first step that long at most, and the specs
-        left fail with the reason (their kernels compile at their launch, as without a pool)."""
-        start = time.perf_counter()
-        tasks: queue.SimpleQueue = queue.SimpleQueue()
-        for spec in sorted(specs, key=_cost, reverse=True):
-            tasks.put(spec)
-        outcomes: list[tuple[LaunchSpec, str | None, list[str], float, float]] = []
-        threads = [
-            threading.Thread(target=_serve, args=(p, tasks, outcomes, start), daemon=True) for p in self.processes
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(max(0.0, start + timeout_s - time.perf_counter()))
-        timed_out = any(thread.is_alive() for thread in threads)
-        if timed_out:
-            for process in self.processes:
-                process.kill()
-            for thread in threads:
-                thread.join()
-        left = f"compile pool timed out after {timeout_s:g} s" if timed_out else "no compile worker left"
-        while not tasks.empty():  # every worker died, or the pool timed out, before these
-            outcomes.append((tasks.get(), left, [], 0.0, 0.0))
-        failed = [f"{spec.name}: {error}" for spec, error, *_ in outcomes if error is not None]
-        slowest = sorted(outcomes, key=lambda outcome: outcome[4], reverse=True)[:SLOWEST_REPORTED]
-        return PrecompileReport(
-            specs=len(specs), compiled=len(outcomes) - len(failed), failed=failed,
-            seconds=time.perf_counter() - start, workers=self.workers,
-            entries=sorted({entry for _, _, entries, *_ in outcomes for entry in entries}),
-            slowest=[(spec.name, round(sent, 3), round(took, 3)) for spec, _, _, sent, took in slowest],
-        )
+        """Compile ``specs`` (costliest first, see :func:`_cost`), wait for them, report; never raises
+        (:meth:`CompileJob.report`)."""
+        return self.start(specs, timeout_s=timeout_s).report()
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S, *, wait: bool = True) -> None:
         """Stop the workers (:func:`stop_workers`); with ``wait=False`` the reaper thread is :attr:`reaper`."""
@@ -320,6 +329,111 @@ class KernelCompilePool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class CompileJob:
+    """Specs compiling in a pool's workers (:meth:`KernelCompilePool.start`) while the caller goes on.
+
+    :meth:`add` queues a spec; each worker, when free, takes the costliest spec waiting (:func:`_cost`), so the
+    specs given at the start go longest first. :meth:`wait_for` blocks until one spec's compile is over (what a
+    launch inside :func:`launches_wait_for` needs); :meth:`report` takes no more specs, waits for the rest and
+    reports. The deadline, ``timeout_s`` from the start, bounds both: workers still busy at it are killed by
+    :meth:`report`, a hung compile costs the first step that long at most, and the specs left fail with the
+    reason (their kernels compile at their launch, as without a pool).
+    """
+
+    def __init__(self, processes: Sequence[subprocess.Popen], specs: Sequence[LaunchSpec] = (), *,
+                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self.started = time.perf_counter()
+        self.timeout_s = timeout_s
+        self.processes = list(processes)
+        self.tasks: queue.PriorityQueue = queue.PriorityQueue()
+        self.order = itertools.count()
+        self.done: dict[LaunchSpec, threading.Event] = {}
+        self.outcomes: list[tuple[LaunchSpec, str | None, list[str], float, float]] = []
+        self.closed = False
+        self.waited: Counter = Counter()  # seconds the caller waited, per kernel name (wait_for)
+        self._report: PrecompileReport | None = None
+        for spec in specs:
+            self.add(spec)
+        self.threads = [threading.Thread(target=self._serve, args=(p,), daemon=True) for p in self.processes]
+        for thread in self.threads:
+            thread.start()
+
+    def add(self, spec: LaunchSpec) -> None:
+        """Queue ``spec`` (ignored once :meth:`report` was called)."""
+        if self.closed:
+            return
+        self.done.setdefault(spec, threading.Event())
+        self.tasks.put((-_cost(spec), next(self.order), spec))
+
+    def pending(self) -> bool:
+        """Whether any spec added is still waiting or compiling."""
+        return not all(event.is_set() for event in list(self.done.values()))
+
+    def wait_for(self, spec: LaunchSpec) -> None:
+        """Return once ``spec``'s compile is over, at once for a spec never added; also when every worker is gone or
+        the deadline passed (the launch then compiles its kernel itself)."""
+        event = self.done.get(spec)
+        if event is None or event.is_set():
+            return
+        start = time.perf_counter()
+        while not event.wait(0.05):
+            if time.perf_counter() > self.started + self.timeout_s or not any(t.is_alive() for t in self.threads):
+                break
+        self.waited[spec.name] += time.perf_counter() - start
+
+    def report(self) -> PrecompileReport:
+        """Take no more specs, wait for those queued (until the deadline), report; never raises."""
+        if self._report is not None:
+            return self._report
+        self.closed = True
+        for _ in self.threads:  # each worker's thread ends on one of these, queued after every spec
+            self.tasks.put((float("inf"), next(self.order), None))
+        for thread in self.threads:
+            thread.join(max(0.0, self.started + self.timeout_s - time.perf_counter()))
+        timed_out = any(thread.is_alive() for thread in self.threads)
+        if timed_out:
+            for process in self.processes:
+                process.kill()
+            for thread in self.threads:
+                thread.join()
+        left = f"compile pool timed out after {self.timeout_s:g} s" if timed_out else "no compile worker left"
+        while not self.tasks.empty():  # every worker died, or the pool timed out, before these
+            spec = self.tasks.get()[2]
+            if spec is not None:
+                self.outcomes.append((spec, left, [], 0.0, 0.0))
+                self.done[spec].set()
+        outcomes = self.outcomes
+        failed = [f"{spec.name}: {error}" for spec, error, *_ in outcomes if error is not None]
+        slowest = sorted(outcomes, key=lambda outcome: outcome[4], reverse=True)[:SLOWEST_REPORTED]
+        self._report = PrecompileReport(
+            specs=len(outcomes), compiled=len(outcomes) - len(failed), failed=failed,
+            seconds=time.perf_counter() - self.started, workers=len(self.processes),
+            entries=sorted({entry for _, _, entries, *_ in outcomes for entry in entries}),
+            slowest=[(spec.name, round(sent, 3), round(took, 3)) for spec, _, _, sent, took in slowest],
+        )
+        return self._report
+
+    def _serve(self, process: subprocess.Popen) -> None:
+        """Feed ``process`` the costliest spec waiting, one at a time, until its end marker or its death; each
+        outcome is ``(spec, error, entries, sent, seconds)``, ``sent`` counted from the start."""
+        while True:
+            spec = self.tasks.get()[2]
+            if spec is None:
+                return
+            sent = time.perf_counter()
+            try:
+                _send(process.stdin, spec)
+                error, entries = _receive(process.stdout)
+                self.outcomes.append((spec, error, entries, sent - self.started, time.perf_counter() - sent))
+            except (OSError, EOFError, pickle.UnpicklingError) as err:
+                code = process.poll()
+                died = f"compile worker died ({_one_line(err)}; exit code {code})"
+                self.outcomes.append((spec, died, [], sent - self.started, time.perf_counter() - sent))
+                return
+            finally:
+                self.done[spec].set()
 
 
 def stop_workers(
@@ -353,26 +467,6 @@ def _reap(processes: Sequence[subprocess.Popen], timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _serve(process: subprocess.Popen, tasks: queue.SimpleQueue, outcomes: list, start: float) -> None:
-    """Feed ``process`` specs from ``tasks`` one at a time until none is left or the worker dies; each outcome
-    is ``(spec, error, entries, sent, seconds)``, ``sent`` counted from ``start``."""
-    while True:
-        try:
-            spec = tasks.get_nowait()
-        except queue.Empty:
-            return
-        sent = time.perf_counter()
-        try:
-            _send(process.stdin, spec)
-            error, entries = _receive(process.stdout)
-            outcomes.append((spec, error, entries, sent - start, time.perf_counter() - sent))
-        except (OSError, EOFError, pickle.UnpicklingError) as err:
-            code = process.poll()
-            died = f"compile worker died ({_one_line(err)}; exit code {code})"
-            outcomes.append((spec, died, [], sent - start, time.perf_counter() - sent))
-            return
 
 
 def _send(stream, obj) -> None:

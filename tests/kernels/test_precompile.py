@@ -21,14 +21,17 @@ import torch
 import triton
 from triton.runtime import interpreter
 
-from gem.precompile import precompile_step, record_step
+import gem.precompile
+from gem.precompile import precompile_step, record_step, start_precompile_step
 from kernels.precompile import (
+    CompileJob,
     KernelCompilePool,
     LaunchSpec,
     Pointer,
     compiled_line,
     kernel_modules,
     launch_spec,
+    launches_wait_for,
     precompile,
     record_launches,
     recording,
@@ -140,6 +143,135 @@ def test_the_record_holds_the_cast_once_copies_of_the_first_steps(on_triton):
     copies = [s for s in record.specs if s not in plain.specs]
     assert len(copies) == 2 and {s.name for s in copies} == {"_multi_copy_kernel"}
     assert set(record.specs) == set(real.specs)
+
+
+class WaitingJob:
+    """Stands in for a :class:`CompileJob` whose every spec is still compiling: notes what each launch waits for."""
+
+    def __init__(self) -> None:
+        self.waited: list[LaunchSpec] = []
+
+    def pending(self) -> bool:
+        return True
+
+    def wait_for(self, spec: LaunchSpec) -> None:
+        self.waited.append(spec)
+
+
+def test_a_gated_step_waits_for_each_kernel_it_launches_and_computes_the_same(on_triton):
+    """Inside :func:`launches_wait_for` every launch of a real step first waits for its own spec, the one the
+    recording sent to the workers (the record's, in first-launch order), then runs: loss and gradients equal the
+    ungated step's."""
+    batch = make_batch(CTR_SCHEMA, [0, 1, 6, 3, 9])
+    sent: list[LaunchSpec] = []
+    record = record_step(tiny_teacher(), batch, autocast_dtype=None, on_spec=sent.append)
+    assert sent == record.specs
+    job = WaitingJob()
+    with launches_wait_for(job):
+        loss, grads = real_step(tiny_teacher(), batch)
+    assert list(dict.fromkeys(job.waited)) == record.specs
+    assert len(job.waited) == sum(record.launches.values())
+    plain_loss, plain_grads = real_step(tiny_teacher(), batch)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(grads[n], g) for n, g in plain_grads.items() if g is not None)
+
+
+def test_a_launch_waits_for_its_compile_only_until_the_deadline(tmp_path, monkeypatch):
+    """A spec whose worker never answers holds its launch until the job's deadline, not forever; a spec never sent
+    does not wait; one added after the report is ignored."""
+    (tmp_path / "hangs_on_import.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = LaunchSpec("kernels.triton.layer_norm:_ln_fwd_kernel", (), (), ())
+    other = LaunchSpec("kernels.triton.layer_norm:_ln_bwd_kernel", (), (), ())
+    with KernelCompilePool(1, modules=["hangs_on_import"]) as pool:
+        job = pool.start(timeout_s=2.0)
+        job.add(spec)
+        assert job.pending()
+        start = time.perf_counter()
+        job.wait_for(other)
+        assert time.perf_counter() - start < 0.5
+        job.wait_for(spec)
+        assert 1.5 < time.perf_counter() - start < 60
+        report = job.report()
+    assert report.compiled == 0 and report.failed and not job.pending()
+    job.add(other)
+    assert other not in job.done and job.report() is report
+
+
+def test_specs_added_while_the_job_runs_compile_and_are_waited_for(monkeypatch):
+    """Specs join a running job as a recording meets them; :meth:`CompileJob.wait_for` returns once each is done and
+    the report counts every one (the workers set up on the compile-only driver: this checks the job, not Triton)."""
+    from kernels import layer_norm
+
+    with record_launches() as record:
+        layer_norm(torch.randn(3, 8), torch.ones(8), torch.zeros(8), 1e-5, backend="triton")
+    unknown = LaunchSpec("kernels.triton.layer_norm:no_such_kernel", (), (), ())
+    with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
+        job = pool.start()
+        assert isinstance(job, CompileJob) and not job.pending()
+        for spec in [*record.specs, unknown]:
+            job.add(spec)
+        for spec in [*record.specs, unknown]:
+            job.wait_for(spec)
+            assert job.done[spec].is_set()
+        assert not job.pending()
+        report = job.report()
+    assert (report.specs, report.compiled) == (2, 1) and report.failed[0].startswith("no_such_kernel: ")
+
+
+def test_the_first_step_overlaps_the_compiles_of_its_kernels(on_triton, monkeypatch):
+    """:func:`start_precompile_step` returns once the step is recorded, its specs already with the workers; the step
+    runs inside the gate and :meth:`~gem.precompile.StepPrecompile.finish` reports every spec (here compiled on the
+    compile-only driver in the interpreter: the flow, not Triton)."""
+    monkeypatch.setattr(gem.precompile, "skip_reason", lambda specs: "")
+    batch = make_batch(CTR_SCHEMA, [0, 1, 6, 3, 9])
+    model = tiny_teacher()
+    lines: list[str] = []
+    with KernelCompilePool(2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]) as pool:
+        started = start_precompile_step(model, batch, autocast_dtype=None, pool=pool, log=lines.append)
+        specs = record_step(tiny_teacher(), batch, autocast_dtype=None).specs
+        assert list(started.job.done) == specs and started.result["specs"] == len(specs)
+        with started.gate():
+            real_step(model, batch)
+        result = started.finish()
+    assert result["compiled"] == len(specs) and result["failed"] == [] and result["waited_s"] >= 0
+    assert started.finish() is result and lines == [summary_line(started.job.report())]
+
+
+def test_the_harness_runs_the_first_step_inside_the_gate_and_reports_after_it(on_triton, monkeypatch):
+    """:class:`gem.train.PrecompileKernels` with a pool: at the first batch the step is recorded and the gate
+    entered; the step runs gated; after it the gate is left, the report holds every spec and the workers end."""
+    import functools
+    from types import SimpleNamespace
+
+    import gem.train
+    from gem.loop import GraphConfig
+    from gem.step_options import StepOptions
+
+    monkeypatch.setattr(gem.train, "skip_reason", lambda specs: "")
+    monkeypatch.setattr(gem.precompile, "skip_reason", lambda specs: "")
+    monkeypatch.setattr(gem.train, "KernelCompilePool", functools.partial(
+        KernelCompilePool, 2, modules=[*kernel_modules(), "tests.kernels.compile_only_driver"]))
+    model = tiny_teacher()
+    options = StepOptions(autocast_dtype=None, cast_once=False, shapes=None, graphs=GraphConfig(),
+                          precompile_kernels=True)
+    module = SimpleNamespace(model=model, step_options=options, device=torch.device("cpu"),
+                             cfg=SimpleNamespace(data=SimpleNamespace(train_split="train")),
+                             forward_batch=lambda batch, split: model(batch))
+    batch = make_batch(CTR_SCHEMA, [0, 1, 6, 3, 9])
+    callback = gem.train.PrecompileKernels()
+    callback.on_fit_start(None, module)
+    pool = callback.pool
+    callback.on_train_batch_start(None, module, batch, 0)
+    assert interpreter.InterpretedFunction.run.__name__ == "gated_run"
+    real_step(model, batch)
+    callback.on_train_batch_end(None, module, None, batch, 0)
+    assert interpreter.InterpretedFunction.run.__name__ != "gated_run"
+    report = callback.report
+    assert report["specs"] > 0 and report["compiled"] == report["specs"] and report["first_step_compiled"] == []
+    assert callback.pool is None
+    pool.close()
+    assert all(process.poll() is not None for process in pool.processes)
 
 
 def test_records_are_deterministic(on_triton):
