@@ -112,10 +112,16 @@ def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
+# Backward programs per SM, and their warps: each program walks its rows one at a time, so it takes many small
+# programs per SM to keep enough rows' loads in flight (docs/benchmarks.md, session 28).
+BWD_PROGRAMS_PER_SM = 16
+BWD_WARPS = 2
+
+
 def _num_programs(m: int, device: torch.device) -> int:
     """Programs of the backward: enough to fill the GPU, few enough that the partial sums stay small."""
     if device.type == "cuda":
-        return max(1, min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+        return max(1, min(m, BWD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(m, 4))
 
 
@@ -165,7 +171,7 @@ def _backward(
             partial[:, 0], partial[:, 1], m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2),
             _stride(m2), _stride(ds2), dx.stride(0), _stride(dr), _stride(dg), partial.stride(0), scale, keep_scale,
             HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
-            HAS_RESIDUAL=dr is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            HAS_RESIDUAL=dr is not None, BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
     sums = partial.sum(0)
     return dx, dr, sums[0].to(weight.dtype), sums[1].to(bias.dtype), dg

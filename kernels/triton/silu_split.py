@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-# A 16 x 256 tile per program: wide rows in contiguous 512-byte (bf16) runs; fixed, so it compiles once.
-BLOCK_M = 16
-BLOCK_N = 256
+# A 32 x 128 tile per program, rows in contiguous 256-byte (bf16) runs: at the `large` teacher's shapes its
+# backward beat 16 x 256 tiles (docs/benchmarks.md, session 28); fixed, so it compiles once.
+BLOCK_M = 32
+BLOCK_N = 128
 
 
 @triton.jit
