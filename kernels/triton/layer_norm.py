@@ -241,9 +241,11 @@ class _ResidualLayerNormFn(torch.autograd.Function):
             dx, dr, grad_w, grad_b, _ = _backward(
                 dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype
             )
-        for grad in (dx, dr):
-            if grad is not None and dpicked is not None:
-                grad.view(-1, grad.shape[-1]).index_add_(0, picks, dpicked.to(grad.dtype))
+        if dpicked is not None:
+            rows = dx.view(-1, dx.shape[-1])
+            rows.index_add_(0, picks, dpicked.to(dx.dtype))
+            if dr is not None:  # the picked rows' sums, rounded once into the branch's dtype (as autograd would)
+                dr.view(-1, dr.shape[-1]).index_copy_(0, picks, rows.index_select(0, picks).to(dr.dtype))
         dr = dr.view(ctx.shape) if dr is not None else None
         return dx.to(x_dtype).view(ctx.shape), dr, grad_w, grad_b, None, None, None
 
