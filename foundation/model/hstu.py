@@ -95,7 +95,8 @@ class HSTUBlock(nn.Module):
         query_timestamps: torch.Tensor | None = None,
         *,
         branch: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        defer_residual: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Args:
         x: ``[L, d]`` tokens.
         offsets: ``[B+1]``.
@@ -107,6 +108,8 @@ class HSTUBlock(nn.Module):
             (None: ``timestamps``).
         branch: ``[L, d]`` or None: the previous block's output, not yet added to ``x`` (its
             ``defer_residual``); added here in the input norm's pass, the block's input being ``x + branch``.
+        defer_residual: return ``(x, out)`` instead of ``x + out`` (``out[L, d]``: the block's output), for the next
+            consumer of the stream to add in its own norm's pass.
         """
         normed = None
         if branch is not None:
@@ -136,7 +139,8 @@ class HSTUBlock(nn.Module):
             row_length = torch.repeat_interleave(lengths, lengths, output_size=x.shape[0])
             attn = attn * (max_len / row_length.to(attn.dtype))[:, None, None]
         gated = apply_layer_norm(self.attn_norm, attn.reshape(x.shape[0], -1), scale=scale, gate=u, dropout=self.dropout)
-        return x + self.output(gated)
+        out = self.output(gated)
+        return (x, out) if defer_residual else x + out
 
 
 @torch.no_grad()

@@ -42,16 +42,19 @@ class PersonalizedFFN(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(
-        self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor, *, defer_residual: bool = False
+        self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor, *, branch: torch.Tensor | None = None,
+        defer_residual: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``.
 
-        ``defer_residual``: return ``(x, branch)`` instead of ``x + branch``, for the next block to add in its input
-        norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream instead of two.
+        ``branch[L, d]``: the previous block's output not yet added to ``x`` (its ``defer_residual``), added here in
+        the norm's pass. ``defer_residual``: return ``(x, branch)`` instead of ``x + branch``, for the next block to
+        add in its input norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream
+        instead of two.
         """
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
         # The stream passes through the norm's op, whose backward adds its gradient to the norm's in one pass.
-        x, normed = apply_residual_layer_norm(self.norm, x, None)
+        x, normed = apply_residual_layer_norm(self.norm, x, branch)
         # The up projection's bias and the 1 of 1 + g join in the modulation's kernel, whose backward sums the
         # bias's gradient per row.
         up = nn.functional.linear(normed, self.up.weight)
@@ -150,11 +153,14 @@ class SequenceSummary(nn.Module):
             )
         return self.seeds + self.pma_out(pooled.reshape(batch, s, d))
 
-    def forward(self, seq: torch.Tensor, layout: SummaryLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq: torch.Tensor, layout: SummaryLayout, branch: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``seq[L + B*S, d]`` (the combined stream) -> ``(seq, summary[B, C + num_seeds + K, d])``.
 
         The stream comes back through the PMA's norm, whose backward adds the stream's gradient and the picked
-        tokens' (CLS and recent) in its own pass; the next block reads the returned stream.
+        tokens' (CLS and recent) in its own pass; the next block reads the returned stream. ``branch[L + B*S, d]``:
+        the previous block's output not yet added to ``seq`` (its ``defer_residual``), added in that norm's pass.
         """
         fill = self.recent_fill if self.num_recent else seq.new_zeros(0, seq.shape[-1])
         fill = torch.cat([fill.new_zeros(layout.num_cls, seq.shape[-1]), fill])
@@ -162,11 +168,12 @@ class SequenceSummary(nn.Module):
         if self.num_seeds:
             # The picks come out of the norm that hands the stream on: their gradient joins the stream's there.
             rows = layout.picks.clamp(0, max(seq.shape[0] - 1, 0)).flatten()
-            seq, normed, picked = apply_residual_layer_norm(self.kv_norm, seq, None, picks=rows)
+            seq, normed, picked = apply_residual_layer_norm(self.kv_norm, seq, branch, picks=rows)
             picked = torch.where(layout.pick_valid.unsqueeze(-1), picked.view(*layout.picks.shape, seq.shape[-1]),
                                  fill.to(picked.dtype))
             pooled.append(self.pool_by_seeds(normed, layout))
         else:
+            seq = seq + branch if branch is not None else seq
             picked = gather_rows(seq, layout.picks, layout.pick_valid, fill)
         parts = [picked[:, : layout.num_cls], *pooled, picked[:, layout.num_cls :]]
         summary = torch.cat(parts, dim=1)

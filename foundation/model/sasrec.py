@@ -61,7 +61,8 @@ class SASRecBlock(nn.Module):
         query_timestamps: torch.Tensor | None = None,
         *,
         branch: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        defer_residual: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Args:
         x: ``[L, d]`` tokens.
         offsets: ``[B+1]``.
@@ -71,6 +72,7 @@ class SASRecBlock(nn.Module):
             themselves only (CLS and candidate tokens).
         branch: ``[L, d]`` or None: the previous block's output not yet added to ``x``; the block's input is
             ``x + branch`` (its keys and values read it unnormalised, so the add is not fused here).
+        defer_residual: return ``(hidden, ffn)`` instead of their sum, as :class:`~foundation.model.hstu.HSTUBlock`.
         """
         if branch is not None:
             x = x + branch
@@ -88,4 +90,5 @@ class SASRecBlock(nn.Module):
             num_targets=num_targets,
         )
         hidden = self.ffn_norm(q_in + self.dropout(self.output(attn.reshape(x.shape[0], -1))))
-        return hidden + self.dropout(self.ffn_out(self.dropout(torch.relu(self.ffn_in(hidden)))))
+        ffn = self.dropout(self.ffn_out(self.dropout(torch.relu(self.ffn_in(hidden)))))
+        return (hidden, ffn) if defer_residual else hidden + ffn

@@ -271,18 +271,25 @@ class GEMTeacher(nn.Module):
             summary_layout = SummaryLayout.build(
                 batch.offsets, layout, batch.max_len, c.num_cls, c.num_pma_seeds, c.num_recent
             )
+        # Each module's output joins the stream in the next one's input norm (one pass over the stream, not two):
+        # ``branch`` is the output not yet added to ``seq``.
+        branch = None
         for layer, block in enumerate(self.blocks):
-            branch = None
-            if self.cfg.interleave:  # the PFFN's output joins the stream in the block's input norm (one pass)
-                seq, branch = self.pffns[layer](seq, rows, user_tokens, defer_residual=True)
-            seq = block(
-                seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps, branch=branch
+            if self.cfg.interleave:
+                seq, branch = self.pffns[layer](seq, rows, user_tokens, branch=branch, defer_residual=True)
+            seq, branch = block(
+                seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps, branch=branch,
+                defer_residual=True,
             )
             if self.cfg.interleave and layer < len(self.summaries):
-                seq, summary = self.summaries[layer](seq, summary_layout)
+                seq, summary = self.summaries[layer](seq, summary_layout, branch)
+                branch = None
                 user_tokens = self.user_interactions[layer](torch.cat([user_tokens, summary], dim=1))
         if not self.cfg.interleave and len(self.summaries):
-            seq, summary = self.summaries[0](seq, summary_layout)
+            seq, summary = self.summaries[0](seq, summary_layout, branch)
+            branch = None
+        if branch is not None:
+            seq = seq + branch
         history, suffix = layout.split(seq)
         return Encoded(
             history, suffix, user_tokens, summary, item_features, history_vectors, candidate_vectors,

@@ -450,18 +450,31 @@ def sequence_regions(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return [(blocks[0], blocks[-1])]
 
 
-def shard_region_input(cp: ContextParallel, module: nn.Module, args: tuple) -> tuple:
-    """Entry of a region: a sequence module's whole-batch token arguments -> this rank's."""
+def shard_region_input(cp: ContextParallel, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Entry of a region: a sequence module's whole-batch token arguments -> this rank's, the stream's pending
+    ``branch[L, d]`` (a keyword: the previous block's deferred output) sharded as the stream."""
     inner = unwrapped(module)
     if isinstance(inner, HSTUBlock):  # (x[L, d], offsets[B+1], max_len, timestamps[L], num_targets[B])
         x, offsets, *rest = args
-        return (cp.shard(x, cp.plan_for(offsets)), offsets, *rest)
-    if isinstance(inner, PersonalizedFFN):  # (x[L, d], rows[L], summary[B, n, d])
+        plan = cp.plan_for(offsets)
+        args = (cp.shard(x, plan), offsets, *rest)
+    elif isinstance(inner, PersonalizedFFN):  # (x[L, d], rows[L], summary[B, n, d])
         x, rows, summary = args
         lengths = torch.bincount(rows, minlength=summary.shape[0])
         plan = cp.plan_for(torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]))
-        return (cp.shard(x, plan), cp.shard(rows, plan), summary)
-    raise TypeError(f"context parallel cannot shard the inputs of {type(inner).__name__}")
+        args = (cp.shard(x, plan), cp.shard(rows, plan), summary)
+    else:
+        raise TypeError(f"context parallel cannot shard the inputs of {type(inner).__name__}")
+    if kwargs.get("branch") is not None:
+        kwargs = {**kwargs, "branch": cp.shard(kwargs["branch"], plan)}
+    return args, kwargs
+
+
+def gather_region_output(cp: ContextParallel, args: tuple, out: torch.Tensor | tuple) -> torch.Tensor | tuple:
+    """Exit of a region: this rank's tokens -> the whole batch's; a block that defers its residual returns
+    ``(x, branch)``, both gathered."""
+    plan = cp.plan_for(args[1])
+    return tuple(cp.gather(t, plan) for t in out) if isinstance(out, tuple) else cp.gather(out, plan)
 
 
 def check_heads_divide(model: nn.Module, cp: int) -> None:
@@ -489,8 +502,10 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, attention: str
         check_heads_divide(model, cp_mesh.size())
     cp = ContextParallel(cp_mesh, attention)
     for entry, exit_ in sequence_regions(model):
-        entry.register_forward_pre_hook(lambda module, args: shard_region_input(cp, module, args))
-        exit_.register_forward_hook(lambda module, args, out: cp.gather(out, cp.plan_for(args[1])))
+        entry.register_forward_pre_hook(
+            lambda module, args, kwargs: shard_region_input(cp, module, args, kwargs), with_kwargs=True
+        )
+        exit_.register_forward_hook(lambda module, args, out: gather_region_output(cp, args, out))
     routes: list[contextlib.ExitStack] = []
 
     def open_route(module: nn.Module, args: tuple) -> None:
