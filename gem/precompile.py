@@ -32,11 +32,10 @@ from kernels.precompile import (
     LaunchRecord,
     LaunchSpec,
     cached_step,
+    conclude,
     launches_wait_for,
     record_launches,
     skip_reason,
-    summary_line,
-    write_manifest,
 )
 from kernels.precompile import step_key as kernels_step_key
 
@@ -144,9 +143,7 @@ class StepPrecompile:
         finally:
             if self.owned:
                 self.pool.close(wait=False)
-        self.log(summary_line(report))
-        if self.key is not None and not report.failed:
-            write_manifest(self.key, report, log=self.log)
+        conclude(report, key=self.key, log=self.log)
         waited = sum(self.job.waited.values())
         self.result.update(
             compiled=report.compiled, failed=report.failed, compile_s=report.seconds, workers=report.workers,

@@ -514,6 +514,12 @@ def precompile(
     finally:
         if owned:
             pool.close(wait=False)
+    return conclude(report, key=key, log=log)
+
+
+def conclude(report: PrecompileReport, *, key: str | None, log: Callable[[str], None]) -> PrecompileReport:
+    """Log ``report``'s summary line and, with ``key`` and every spec compiled, write the step's manifest
+    (:func:`write_manifest`); returns ``report``."""
     log(summary_line(report))
     if key is not None and not report.failed:
         write_manifest(key, report, log=log)
