@@ -8,6 +8,7 @@ every program in Python.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -80,14 +81,18 @@ def _run(backend, tensors, offsets, max_len, grad_seed, **kwargs):
     return [out.detach()] + [x.grad.clone() if x is not None else None for x in leaves]
 
 
-def _assert_close(got, want, tol, what):
+def _assert_close(got, want, tol, what, bias_tol=None):
+    """`bias_tol` (default `tol`) bounds the bias tables' gradients: under softmax each row's score gradients sum
+    to zero, so a bucket's gradient is a small difference of sums over many pairs and its float32 error relative to
+    that difference is far larger than the other outputs' (either float32 path against float64 alike)."""
     names = ["out", "dq", "dk", "dv", "dpos_bias", "dtime_bias"][: len(want)]
     for name, a, b in zip(names, got, want, strict=True):
         if b is None:
             continue
         assert torch.isfinite(a).all(), f"{what}: {name} has non-finite values"
         err = _rel(a, b)
-        assert err < tol, f"{what}: {name} relative error {err:.2e} >= {tol}"
+        bound = bias_tol if bias_tol is not None and name.endswith("_bias") else tol
+        assert err < bound, f"{what}: {name} relative error {err:.2e} >= {bound}"
 
 
 def _naive(q, k, v, lengths, max_len, activation, causal, alpha, num_targets, window, pos_bias, time_bias, ts, qts=None):
@@ -207,14 +212,14 @@ def test_reference_matches_per_pair_loop(activation, flags):
 def test_triton_matches_reference_fp32(activation, flags):
     # Lengths 0, 1, the maximum and ragged ones; max_len above the longest, as in real batches.
     lengths = [37, 0, 1, 20, 5, 40]
-    t = _inputs(lengths, 2, 24, 20, torch.float32, seed=hash((activation, str(flags))) % 1000,
+    t = _inputs(lengths, 2, 24, 20, torch.float32, seed=zlib.crc32(f"{activation}{flags}".encode()) % 1000,
                 pos=flags.get("pos", 0), time=flags.get("time", 0), shared_bias=flags.get("shared_bias", False))
     num_targets = torch.tensor([4, 0, 1, 20, 2, 3]) if flags.get("targets") else None
     kwargs = dict(activation=activation, causal=flags["causal"], num_targets=num_targets, window=flags.get("window"))
     offsets = _offsets(lengths)
     want = _run("pytorch", t, offsets, 41, 7, **kwargs)
     got = _run("triton", t, offsets, 41, 7, **kwargs)
-    _assert_close(got, want, 1e-4, f"{activation} {flags}")
+    _assert_close(got, want, 1e-4, f"{activation} {flags}", bias_tol=1e-3)
 
 
 @pytest.mark.parametrize("dims", [(16, 16), (64, 32), (40, 72)])
