@@ -28,8 +28,9 @@ of the step the GPU sat idle.
 
 ``--sync-check`` (CUDA) runs one more step under ``torch.cuda.set_sync_debug_mode`` and lists where it
 made the host wait for the GPU. Each step waits for the GPU before the next starts, unless ``--overlap-steps``:
-after the first step a step's loss is read (the host waits) only once the next step is enqueued, so the host's part
-of a step (the FLOP count, the batch's copy, the lookups, the launches) runs while the GPU finishes the one before,
+after the first step a step's loss is read (the host waits for that step only: :class:`LossReadback`) once the next
+step is enqueued, so the host's part of a step (the FLOP count, the batch's copy, the lookups, the launches) runs
+while the GPU finishes the one before,
 as in a training loop that logs a step's loss late; a step's time is then the time between two such reads.
 
 ``--compare-losses REF.json`` prints the largest per-step loss difference against another run's
@@ -217,10 +218,10 @@ def train(
             torch.cuda.synchronize(device)
         return loss
 
-    def finish(loss: torch.Tensor) -> float:
-        """Reads a step's loss (waiting for the step) and records the step's time; returns the time it ended."""
+    def finish(loss: LossReadback) -> float:
+        """Reads a step's loss (waiting for that step) and records the step's time; returns the time it ended."""
         nonlocal last
-        losses.append(float(loss.detach()))
+        losses.append(loss.read())
         now = time.perf_counter()
         times.append(now - last)
         last = now
@@ -259,7 +260,7 @@ def train(
         step_start = time.perf_counter()
         overlap = args.overlap_steps and not first
         with started.gate() if started is not None else contextlib.nullcontext():
-            loss = step(batch, sync=not overlap)
+            loss = LossReadback(step(batch, sync=not overlap))
         if started is not None:
             marks["precompile"] = started.finish()
             cached |= frozenset(marks["precompile"].pop("entries", ()))  # the pool's, written during the step
@@ -317,6 +318,29 @@ def train(
         print(format_counts(counts), flush=True)
         trace["op_counts"] = counts
     return trace
+
+
+class LossReadback:
+    """A step's loss on its way to the host: copied into pinned memory right behind the step's kernels, with an
+    event after the copy, so that :meth:`read` waits for that step only. ``float(loss)`` would queue its copy behind
+    every step enqueued since, so that with ``--overlap-steps`` the host would wait for the step just enqueued too
+    and the GPU would sit idle while the host prepared the next one."""
+
+    def __init__(self, loss: torch.Tensor):
+        loss = loss.detach()
+        self.event = None
+        if loss.is_cuda:
+            self.value = torch.empty((), dtype=loss.dtype, pin_memory=True)
+            self.value.copy_(loss, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.value = loss
+
+    def read(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        return float(self.value)
 
 
 def log_line(line: str) -> None:
