@@ -26,6 +26,10 @@ that took the most device time, and the kernel time per step by group (generativ
 embeddings, optimizer, GEMM, elementwise/norm, other: :mod:`experiments.kernel_groups`) with the share
 of the step the GPU sat idle.
 
+``--timeline N`` profiles ``N`` more steps the way ``--overlap-steps`` runs them and reports the GPU's idle time
+between its kernels per step, by the host op it waited in and by the launch that ended it, with the longest gaps
+(:mod:`experiments.device_timeline`).
+
 ``--sync-check`` (CUDA) runs one more step under ``torch.cuda.set_sync_debug_mode`` and lists where it
 made the host wait for the GPU. Each step waits for the GPU before the next starts, unless ``--overlap-steps``:
 after the first step a step's loss is read (the host waits for that step only: :class:`LossReadback`) once the next
@@ -130,6 +134,7 @@ EARLY_WORKERS = start_compile_workers(*worker_plan_from_argv(sys.argv[1:])) if _
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from experiments.device_timeline import format_timeline, profiler_spans, summarize_timeline  # noqa: E402
 from experiments.kernel_groups import kernel_breakdown  # noqa: E402
 from experiments.op_count import count_steps, format_counts  # noqa: E402
 from foundation.config import apply_overrides  # noqa: E402
@@ -311,6 +316,8 @@ def train(
         trace["sync_points"] = find_sync_points(step, extra)
     if args.profile:
         trace["profile"] = profile_steps(step, batches, args.profile, use_cuda, args.profile_top)
+    if args.timeline:
+        trace["timeline"] = timeline_steps(step, batches, args.timeline, use_cuda, args.profile_top)
     if args.count_ops:
         counts = count_steps(
             lambda phase, batch: train_step(batch, phase), batches, args.count_ops, interpret=args.interpret_kernels
@@ -417,6 +424,27 @@ def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) 
     groups = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall, top=top)
     print("kernel time per step by group (ms): " + json.dumps({k: round(v, 2) for k, v in groups["groups_ms_per_step"].items()}), flush=True)
     return {"table": table, "groups": groups}
+
+
+def timeline_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) -> dict:
+    """``torch.profiler`` over the next ``num_steps`` steps run as ``--overlap-steps`` runs them (each enqueued
+    before the previous one's loss is read): the GPU's idle time between its kernels and what the host was doing
+    meanwhile (:mod:`experiments.device_timeline`), printed and kept in the JSON. The profiler's own host work
+    (microseconds per op) makes host-bound gaps longer than they are unprofiled."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    steps, pending = 0, None
+    with profile(activities=activities) as prof:
+        for _, batch in zip(range(num_steps), batches, strict=False):
+            loss = LossReadback(step(batch, sync=False))
+            if pending is not None:
+                pending.read()
+            pending = loss
+            steps += 1
+        if pending is not None:
+            pending.read()
+    summary = summarize_timeline(*profiler_spans(prof), steps=steps, top=top)
+    print(format_timeline(summary), flush=True)
+    return summary
 
 
 def summarize(trace: dict, warmup: int, peak: float | None) -> dict:
@@ -721,7 +749,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", type=int, default=0, help="after the timed steps, profile this many more (torch.profiler table)"
     )
-    parser.add_argument("--profile-top", type=int, default=15, help="with --profile, the busiest kernels kept")
+    parser.add_argument(
+        "--profile-top", type=int, default=15, help="with --profile, the busiest kernels kept; with --timeline, the gaps"
+    )
+    parser.add_argument(
+        "--timeline", type=int, default=0, metavar="N",
+        help="after the timed steps (and --profile), profile N more run overlapped and report where the GPU sat "
+        "idle between its kernels and what the host was doing then",
+    )
     parser.add_argument(
         "--overlap-steps", action="store_true",
         help="after the first step, read each step's loss only once the next step is enqueued, so that the host's "

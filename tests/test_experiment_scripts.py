@@ -114,7 +114,7 @@ def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager
     """`--count-ops N` counts the eager step's operators by phase; `--bucketed` pads the same batches to static
     shapes and trains them through gem.loop.StaticStep with the same losses (float32, no dropout: padding
     changes nothing but rounding), also when each step's loss is read only after the next is enqueued
-    (`--overlap-steps`); `--cuda-graphs` on a CPU says so once and runs eagerly."""
+    (`--overlap-steps`); `--cuda-graphs` on a CPU says so once and runs eagerly; `--timeline` profiles one more."""
     argv = ["--flavor", "debug", "--steps", "3", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
             "--max-history", "64", "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"),
             "--precision", "fp32", "dropout=0.0"]
@@ -126,13 +126,14 @@ def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager
     assert counts["sync_sites"] == {}  # nothing in the step reads a device value on the host
     bucketed = tmp_path / "bucketed.json"
     argv += ["--bucketed", "40,48,64", "--cuda-graphs", "--overlap-steps", "--compare-losses", str(eager),
-             "--json", str(bucketed)]
+             "--json", str(bucketed), "--timeline", "1"]
     assert bench_teacher.main(argv) == 0
     assert "cuda graphs off: the model is on cpu; eager steps" in capsys.readouterr().out
     result = json.loads(bucketed.read_text())
     static = result["trace"]["static"]
     assert static["padded_steps"] == 3 and static["graphs_captured"] == 0 and not static["cuda_graphs"]
     assert result["steps_run"] == 3 and len(result["trace"]["times"]) == 3 and min(result["trace"]["times"]) > 0
+    assert result["trace"]["timeline"] == {"steps": 1, "device_activity": False}  # a CPU run has no device
     comparison = result["loss_comparison"]
     assert comparison["same_batches"] and comparison["steps"] == 3 and comparison["max_abs_diff"] < 1e-5
 
