@@ -219,23 +219,10 @@ def start_precompile_step(
     return StepPrecompile(result, job=job, pool=pool, owned=owned, key=key, log=log)
 
 
-def precompile_step(
-    model: nn.Module,
-    batch: JaggedBatch,
-    *,
-    autocast_dtype: torch.dtype | None,
-    forward: Callable[[JaggedBatch], object] | None = None,
-    cast_dtype: torch.dtype | None = None,
-    pool: KernelCompilePool | None = None,
-    workers: int | None = None,
-    key: str | None = None,
-    log: Callable[[str], None] = print,
-) -> dict:
-    """:func:`start_precompile_step`, then wait for every compile before returning (no step overlaps them).
-    Returns ``{"specs", "launches", "record_s", "compiled", "failed", "compile_s", "workers", "skipped", "cached",
-    "slowest", "waited_s", "waited_for"}`` (``compile_s``: from the first spec recorded, so it overlaps
-    ``record_s``; ``cached``: skipped on the manifest; ``slowest``:
+def precompile_step(model: nn.Module, batch: JaggedBatch, **options) -> dict:
+    """:func:`start_precompile_step` (``options``: its keyword arguments), then wait for every compile before
+    returning (no step overlaps them). Returns ``{"specs", "launches", "record_s", "compiled", "failed",
+    "compile_s", "workers", "skipped", "cached", "slowest", "waited_s", "waited_for"}`` (``compile_s``: from the
+    first spec recorded, so it overlaps ``record_s``; ``cached``: skipped on the manifest; ``slowest``:
     :attr:`kernels.precompile.PrecompileReport.slowest`; ``waited_*``: what launches inside the gate waited for)."""
-    started = start_precompile_step(model, batch, autocast_dtype=autocast_dtype, forward=forward, cast_dtype=cast_dtype,
-                                    pool=pool, workers=workers, key=key, log=log)
-    return started.finish()
+    return start_precompile_step(model, batch, **options).finish()
