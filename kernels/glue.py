@@ -298,3 +298,57 @@ def multi_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, ba
         from kernels.pytorch.multi_copy import multi_copy as impl
     impl(list(dsts), list(srcs))
 
+
+
+def multi_adamw(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    step: int,
+    copies: Sequence[torch.Tensor | None] | None = None,
+    backend: str = "auto",
+) -> None:
+    """One AdamW step (``torch.optim.AdamW``'s update) of many float32 tensors in one launch per gradient dtype
+    (Triton), gradients read in their own dtype and layout, the updated parameters optionally written into
+    low-precision copies in the same pass.
+
+    Args:
+        params: ``T`` float32 parameters, updated in place, all on one device.
+        grads: their gradients (each of its parameter's shape; float32 or bf16, e.g. the gradients of bf16 copies).
+        exp_avgs, exp_avg_sqs: the float32 first and second moments, contiguous, updated in place.
+        lr, betas, eps, weight_decay: AdamW's; ``step``: this step's count, from 1 (bias corrections).
+        copies: per parameter a tensor of its shape that receives the updated value (rounded to its dtype), or
+            None; None for all when omitted.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"`` (chosen by the first parameter).
+    """
+    copies = list(copies) if copies is not None else [None] * len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "copies": copies}
+    for name, values in lists.items():
+        if len(values) != len(params):
+            raise ValueError(f"multi_adamw: {len(params)} params but {len(values)} {name}")
+    if step < 1:
+        raise ValueError(f"multi_adamw: step counts from 1, got {step}")
+    if not params:
+        return
+    device = params[0].device
+    for i, (p, g, m, v, c) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True)):
+        for name, t in (("param", p), ("exp_avg", m), ("exp_avg_sq", v)):
+            if t.dtype != torch.float32:
+                raise ValueError(f"multi_adamw tensor {i}: {name} is {t.dtype}, expected torch.float32")
+        for name, t in (("grad", g), ("exp_avg", m), ("exp_avg_sq", v), ("copy", c)):
+            if t is not None and t.shape != p.shape:
+                raise ValueError(f"multi_adamw tensor {i}: {name} {tuple(t.shape)} and param {tuple(p.shape)} differ")
+        if any(t is not None and t.device != device for t in (p, g, m, v, c)):
+            raise ValueError(f"multi_adamw tensor {i}: not every tensor is on {device}")
+    if _resolve(backend, params[0]) == "triton":
+        from kernels.triton.adamw import multi_adamw as impl
+    else:
+        from kernels.pytorch.adamw import multi_adamw as impl
+    impl(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), copies, lr=lr, betas=betas, eps=eps,
+         weight_decay=weight_decay, step=step)

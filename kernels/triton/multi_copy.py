@@ -60,12 +60,12 @@ def _multi_copy_kernel(TENSORS, PROGRAMS, SRC0, DST0, BLOCK: tl.constexpr):
 @triton.jit
 def _convert(x, SRC0, DST0):
     if SRC0.dtype.element_ty == tl.float32 and DST0.dtype.element_ty == tl.bfloat16:
-        return _bf16_nearest_even(x)
+        return bf16_nearest_even(x)
     return x.to(DST0.dtype.element_ty)
 
 
 @triton.jit
-def _bf16_nearest_even(x):
+def bf16_nearest_even(x):
     # Rounds as torch's cast does (to nearest, ties to even; NaN stays NaN), also in the interpreter, whose
     # conversion truncates.
     bits = x.to(tl.uint32, bitcast=True)
@@ -74,7 +74,7 @@ def _bf16_nearest_even(x):
     return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-def _layout(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
+def read_layout(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int] | None:
     """``(cols, stride0, stride1)`` of ``src`` read in ``dst``'s (contiguous) order: ``cols`` 0 where both are
     contiguous; None where the kernel cannot copy the pair (a non-contiguous destination, or a source of more than
     two dimensions laid out otherwise)."""
@@ -100,22 +100,30 @@ def _tables(key: tuple, dsts, srcs, layouts):
         return cached
     rows = torch.tensor([[s.data_ptr(), d.data_ptr(), d.numel(), *lay] for d, s, lay in zip(dsts, srcs, layouts,
                                                                                            strict=True)])
-    # The programs' table, built with tensor ops: a model's weights need ~10^5 programs.
-    numel = rows[:, 2]
-    blocks = (numel + BLOCK - 1) // BLOCK
-    tensor = torch.repeat_interleave(torch.arange(len(rows)), blocks)
-    start = (torch.arange(len(tensor)) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)) * BLOCK
     aligned = (rows[:, 3] == 0) & (rows[:, 0] % 16 == 0) & (rows[:, 1] % 16 == 0)
-    whole = aligned[tensor] & (start + BLOCK <= numel[tensor])
-    programs = torch.stack([tensor, start, whole.long()], 1)
-    device = dsts[0].device
-    pin = device.type == "cuda"
-    tensors = (rows.pin_memory() if pin else rows).to(device, non_blocking=True)
-    table = (programs.pin_memory() if pin else programs).to(device, non_blocking=True)
-    _TABLES[key] = cached = (tensors, table, len(programs))
+    _TABLES[key] = cached = device_tables(rows, block_programs(rows[:, 2], aligned, BLOCK), dsts[0].device)
     while len(_TABLES) > KEEP_TABLES:
         _TABLES.popitem(last=False)
     return cached
+
+
+def block_programs(numel: torch.Tensor, aligned: torch.Tensor, block: int) -> torch.Tensor:
+    """``[P, 3]`` int64 programs (tensor, first element, whole) covering tensors of ``numel[T]`` elements in blocks
+    of ``block``; a block is whole when it is full and its tensor ``aligned[T]`` (16-byte addresses, one layout).
+    Built with tensor ops: a model's weights need ~10^5 programs."""
+    blocks = (numel + block - 1) // block
+    tensor = torch.repeat_interleave(torch.arange(len(numel)), blocks)
+    start = (torch.arange(len(tensor)) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)) * block
+    whole = aligned[tensor] & (start + block <= numel[tensor])
+    return torch.stack([tensor, start, whole.long()], 1)
+
+
+def device_tables(rows: torch.Tensor, programs: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(rows, programs, P)`` with both tables copied to ``device`` (through pinned memory on CUDA)."""
+    pin = device.type == "cuda"
+    tensors = (rows.pin_memory() if pin else rows).to(device, non_blocking=True)
+    table = (programs.pin_memory() if pin else programs).to(device, non_blocking=True)
+    return tensors, table, len(programs)
 
 
 def multi_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -124,7 +132,7 @@ def multi_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     for d, s in zip(dsts, srcs, strict=True):
         if d.numel() == 0:
             continue
-        layout = _layout(d, s)
+        layout = read_layout(d, s)
         (pairs if layout is not None else rest).append((d, s, layout))
     for d, s, _ in rest:
         d.copy_(s)
