@@ -144,7 +144,7 @@ from foundation.data.schema import SCHEMA_FILE, EventSchema  # noqa: E402
 from foundation.data.synthetic import generate_world  # noqa: E402
 from foundation.model.flops import peak_flops, throughput_metrics  # noqa: E402
 from foundation.model.padding import PaddedBatch, PaddedBatches, static_shapes  # noqa: E402
-from foundation.model.precision import CastOnce  # noqa: E402
+from foundation.model.precision import CastOnce, MasterAdamW  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
 from gem.loop import GraphConfig, StaticStep  # noqa: E402
@@ -212,6 +212,8 @@ def train(
         graphs = GraphConfig(cuda_graphs=args.cuda_graphs, warmup_steps=args.graph_warmup)
         autocast_dtype = torch.bfloat16 if args.precision == "bf16" else None
         cast = CastOnce(model) if args.cast_once and autocast_dtype is not None else None
+        if cast is not None and isinstance(optimizer, MasterAdamW):
+            optimizer.keep_copies(cast)
         static_step = StaticStep(
             model, optimizer, autocast_dtype=autocast_dtype, config=graphs, log=log_line, cast_once=cast
         )
@@ -257,7 +259,7 @@ def train(
             started = start_precompile_step(
                 model, batch.to(device), autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None,
                 cast_dtype=torch.bfloat16 if args.precision == "bf16" and args.cast_once else None,
-                pool=pool, workers=args.precompile_workers or None, key=key, log=log_line,
+                master_adamw=isinstance(optimizer, MasterAdamW), pool=pool, workers=args.precompile_workers or None, key=key, log=log_line,
             )
             marks["precompile"] = started.result
         first = "first_step_process_s" not in marks
@@ -563,8 +565,7 @@ def run(args: argparse.Namespace) -> dict:
         with torch.device(device) if args.init_on_device else contextlib.nullcontext():
             model = build_teacher(cfg, schema)
         model = model.to(device)
-        # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+        optimizer = build_optimizer(model, args)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         marks["build_s"] = time.perf_counter() - marks["build_start"]
@@ -632,6 +633,16 @@ CPU_WIDTHS = {
 }
 
 
+def build_optimizer(model, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """``--optimizer``: ``master`` (:class:`MasterAdamW`: one Triton launch per gradient dtype, the bucketed step's
+    bf16 copies kept by it) or ``adamw`` (torch's fused AdamW: float32 gradients, the copies refreshed by the
+    forward). No weight decay either way."""
+    if args.optimizer == "master":
+        return MasterAdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+
+
 def teacher_config(args: argparse.Namespace):
     """The flavor's config, at ``CPU_WIDTHS`` with ``--cpu-widths``, then with the ``field=value`` overrides."""
     cfg = teacher_flavor(args.flavor)
@@ -680,7 +691,7 @@ def precompile_key(
     world = {k: getattr(args, k) for k in ("examples", "users", "items", "world_max_history")}
     identity = [
         repr(cfg), repr(schema), repr(data), repr(world),
-        f"cast_once {args.cast_once}", f"bucketed {args.bucketed}",
+        f"cast_once {args.cast_once}", f"bucketed {args.bucketed}", f"optimizer {args.optimizer}",
     ]
     return step_key(identity, autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None, device=device)
 
@@ -744,6 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--oom-retries", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--optimizer", default="master", choices=("master", "adamw"),
+        help="master: MasterAdamW (bf16 gradients read and bf16 copies written in its pass); adamw: torch's fused",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument(

@@ -192,7 +192,9 @@ class StaticStep:
     :func:`train_step`. ``cast_once`` (a :class:`~foundation.model.precision.CastOnce` of ``model``, under autocast)
     refreshes the low-precision copies of the parameters autocast would cast at every use inside the graph, in one
     multi-tensor copy, and converts their gradients back after it in another (same values), where autocast would
-    launch two casts per parameter. If a capture fails, one line goes to ``log`` and every later step runs eagerly.
+    launch two casts per parameter; with an optimizer that keeps the copies
+    (:meth:`~foundation.model.precision.MasterAdamW.keep_copies`) neither: the optimizer reads the bf16 gradients
+    and writes the copies. If a capture fails, one line goes to ``log`` and every later step runs eagerly.
     A call returns ``model.loss``'s terms (device scalars; ``"loss"`` is the total). The random numbers are drawn in
     the eager step's order (negatives in the lookups, then dropout), so without a graph it trains exactly as
     :func:`train_step` on the same batches.
@@ -250,7 +252,11 @@ class StaticStep:
             # After the graph, not in it: its gradients' addresses are fixed only once it is captured, and the
             # one-launch copy needs them before (kernels/triton/multi_copy.py).
             n = len(self.params)
-            grads = (*self.cast_once.float_grads(self.params, list(grads[:n])), *grads[n:])
+            # An optimizer that keeps the copies (MasterAdamW) reads their gradients as they are, unless clipping
+            # needs every gradient in the parameters' .grad.
+            hold = self.cast_once.kept_by_optimizer and self.grad_clip <= 0
+            convert = self.cast_once.hold_grads if hold else self.cast_once.float_grads
+            grads = (*convert(self.params, list(grads[:n])), *grads[n:])
         self.optimizer.zero_grad(set_to_none=True)
         differentiable = [t for t in produced if t.requires_grad]
         pairs = [(t, g) for t, g in zip(differentiable, grads[len(self.params):], strict=True) if g is not None]

@@ -24,7 +24,7 @@ from torch import nn
 import foundation
 from foundation.data.batch import JaggedBatch
 from gem.loop import autocast
-from kernels import multi_copy
+from kernels import multi_adamw, multi_copy
 from kernels.precompile import (
     SLOWEST_REPORTED,
     CompileJob,
@@ -73,6 +73,7 @@ def record_step(
     autocast_dtype: torch.dtype | None,
     forward: Callable[[JaggedBatch], object] | None = None,
     cast_dtype: torch.dtype | None = None,
+    master_adamw: bool = False,
     on_spec: Callable[[LaunchSpec], object] | None = None,
 ) -> LaunchRecord:
     """The Triton launches of one training step of ``model`` on the device batch ``batch``: ``model.loss(batch,
@@ -85,7 +86,9 @@ def record_step(
     restored. ``cast_dtype``: the dtype of the step's :class:`~foundation.model.precision.CastOnce` copies, whose
     copy kernel (:func:`kernels.multi_copy`: the parameters into their copies, the copies' gradients back) is
     recorded on one-element stand-ins, the parameters it copies being known only after the first step's forward.
-    The optimizer launches no Triton kernel. ``on_spec``: called with each spec as it is first launched
+    ``master_adamw``: the step's optimizer is a :class:`~foundation.model.precision.MasterAdamW`, whose kernel's
+    variants are recorded the same way (:func:`launch_master_adamw`); torch's AdamW launches no Triton kernel.
+    ``on_spec``: called with each spec as it is first launched
     (:func:`kernels.precompile.record_launches`).
     """
     forward = forward or model
@@ -99,6 +102,8 @@ def record_step(
             torch.autograd.grad(loss, params, allow_unused=True)
             if cast_dtype is not None:
                 launch_cast_copies(device, cast_dtype)
+            if master_adamw:
+                launch_master_adamw(device, cast_dtype)
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
@@ -114,6 +119,21 @@ def launch_cast_copies(device: torch.device, dtype: torch.dtype) -> None:
     low = torch.empty(1, dtype=dtype, device=device)
     multi_copy([low], [full])
     multi_copy([full], [low])
+
+
+def launch_master_adamw(device: torch.device, cast_dtype: torch.dtype | None) -> None:
+    """The launches of a :class:`~foundation.model.precision.MasterAdamW` step on one-element stand-ins: float32
+    gradients of parameters without a copy and, with ``cast_dtype`` copies, float32 (the first step's, before the
+    copies exist in the forward) and ``cast_dtype`` gradients (the held ones) into those copies."""
+    def one(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(1, dtype=dtype, device=device)
+
+    variants = [(torch.float32, None)]
+    if cast_dtype is not None:
+        variants += [(torch.float32, cast_dtype), (cast_dtype, cast_dtype)]
+    for grad_dtype, copy_dtype in variants:
+        multi_adamw([one()], [one(grad_dtype)], [one()], [one()], copies=[one(copy_dtype) if copy_dtype else None],
+                    lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1)
 
 
 @dataclass
@@ -160,12 +180,13 @@ def start_precompile_step(
     autocast_dtype: torch.dtype | None,
     forward: Callable[[JaggedBatch], object] | None = None,
     cast_dtype: torch.dtype | None = None,
+    master_adamw: bool = False,
     pool: KernelCompilePool | None = None,
     workers: int | None = None,
     key: str | None = None,
     log: Callable[[str], None] = print,
 ) -> StepPrecompile:
-    """Record the step's launches on ``batch`` (:func:`record_step`; ``cast_dtype`` as there), each spec sent to
+    """Record the step's launches on ``batch`` (:func:`record_step`; ``cast_dtype`` and ``master_adamw`` as there), each spec sent to
     ``pool``'s workers (made here, of ``workers`` processes, when not given) as the recording meets it, and return
     while they compile: the step then runs inside :meth:`StepPrecompile.gate`, its early launches overlapping the
     compiles of its late ones, and :meth:`StepPrecompile.finish` waits for the rest and reports.
@@ -192,7 +213,7 @@ def start_precompile_step(
     if not reason:
         try:
             record = record_step(model, batch, autocast_dtype=autocast_dtype, forward=forward, cast_dtype=cast_dtype,
-                                 on_spec=job.add if job is not None else None)
+                                 master_adamw=master_adamw, on_spec=job.add if job is not None else None)
             if batch.candidate.is_cuda:
                 torch.cuda.synchronize(batch.candidate.device)
             record_s = time.perf_counter() - start

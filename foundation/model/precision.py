@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import multi_copy
+from kernels import multi_adamw, multi_copy
 
 
 class _CastDtypes(TorchDispatchMode):
@@ -88,6 +88,10 @@ class CastOnce:
         self.params: list[nn.Parameter] = []
         self.copies: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
+        # Set by MasterAdamW.keep_copies: the optimizer writes the copies as it updates the parameters and takes
+        # their low-precision gradients as they are (hold_grads), so the forward does not refresh them.
+        self.kept_by_optimizer = False
+        self.held: dict[int, torch.Tensor] = {}
 
     def discover(self, loss_of_forward) -> torch.Tensor:
         """Run ``loss_of_forward()`` (a forward and loss of ``model`` under autocast to ``dtype``), find the
@@ -108,7 +112,10 @@ class CastOnce:
         """``compute(forward)`` (a dict with the ``"loss"``) with ``forward`` standing for ``model``: watched by
         :meth:`discover` the first time, on refreshed copies after that."""
         if self.discovered:
-            self.refresh()
+            if self.kept_by_optimizer:
+                self.clear_copy_grads()
+            else:
+                self.refresh()
             return compute(self.forward)
         out: dict[str, torch.Tensor] = {}
 
@@ -124,8 +131,16 @@ class CastOnce:
         if self.copies:
             with torch.no_grad():
                 multi_copy(self.copies, self.params)
-            for copy in self.copies:
-                copy.grad = None
+        self.clear_copy_grads()
+
+    def clear_copy_grads(self) -> None:
+        """Drop the copies' gradients of the last backward (an eager backward accumulates into them)."""
+        for copy in self.copies:
+            copy.grad = None
+
+    def copy_of(self) -> dict[int, torch.Tensor]:
+        """The low-precision copy of each parameter that has one, by ``id`` of the parameter."""
+        return {id(p): copy for p, copy in zip(self.params, self.copies, strict=True)}
 
     def forward(self, *args, **kwargs):
         """``model(*args, **kwargs)`` with the copies standing in for their parameters."""
@@ -139,7 +154,7 @@ class CastOnce:
         (discovering) call runs the model on its own parameters."""
         if not self.discovered:
             return list(params)
-        copy_of = {id(p): copy for p, copy in zip(self.params, self.copies, strict=True)}
+        copy_of = self.copy_of()
         return [copy_of.get(id(p), p) for p in params]
 
     def float_grads(self, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -158,6 +173,25 @@ class CastOnce:
             multi_copy(targets, sources)
         return out
 
+    def hold_grads(self, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """:meth:`float_grads` without the conversion, for an optimizer that reads low-precision gradients
+        (:class:`MasterAdamW`): the copies' gradients among ``grads`` are held for :meth:`take_held_grads` and
+        returned as None; the others are returned as they are. The held tensors are the caller's (e.g. a CUDA
+        graph's outputs): the optimizer must step before they are overwritten."""
+        mine = {id(p) for p in self.params}
+        out = list(grads)
+        self.held = {}
+        for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
+            if grad is not None and id(p) in mine and grad.dtype != p.dtype:
+                self.held[id(p)] = grad
+                out[i] = None
+        return out
+
+    def take_held_grads(self) -> dict[int, torch.Tensor]:
+        """The gradients :meth:`hold_grads` held, by ``id`` of their parameter; held no longer."""
+        held, self.held = self.held, {}
+        return held
+
     def collect_grads(self) -> None:
         """Add the copies' gradients to their float32 parameters' ``.grad`` (one multi-tensor copy)."""
         fresh, accumulate = [], []
@@ -170,3 +204,62 @@ class CastOnce:
                 self.params[i].grad = self.grads[i]
         for i in accumulate:
             self.params[i].grad.add_(self.copies[i].grad)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` over float32 (master) parameters, stepped by :func:`kernels.multi_adamw`: one launch
+    per gradient dtype for all parameters of a group, where torch's fused AdamW needs float32 gradients.
+
+    :meth:`keep_copies` binds it to a :class:`CastOnce`: the step then also reads the copies' bf16 gradients that
+    :meth:`CastOnce.hold_grads` held (no float32 conversion) and writes every updated parameter into its copy,
+    so the next forward reads the copies without a refresh. The parameters must then change only through this
+    optimizer; after any other change (a checkpoint load) call :meth:`CastOnce.refresh`. The state (``step``,
+    ``exp_avg``, ``exp_avg_sq``, ``step`` on the host) is AdamW's, so checkpoints move between the two. No
+    ``amsgrad``, ``maximize``, ``capturable``, ``differentiable`` or sparse gradients.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self.cast_once: CastOnce | None = None
+
+    def keep_copies(self, cast_once: CastOnce) -> None:
+        """Write ``cast_once``'s copies and take its held gradients from now on (class doc)."""
+        self.cast_once = cast_once
+        cast_once.kept_by_optimizer = True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        cast = self.cast_once
+        held = cast.take_held_grads() if cast is not None else {}
+        copy_of = cast.copy_of() if cast is not None else {}
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("MasterAdamW supports neither amsgrad nor maximize")
+            by_step: dict[int, tuple[list, ...]] = {}
+            for p in group["params"]:
+                grad = p.grad if p.grad is not None else held.get(id(p))
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise ValueError("MasterAdamW does not take sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if state["step"].device.type != "cpu":  # loaded from a fused AdamW's state: once
+                    state["step"] = state["step"].cpu()
+                state["step"] += 1
+                lists = by_step.setdefault(int(state["step"]), ([], [], [], [], []))
+                for out, value in zip(lists, (p, grad, state["exp_avg"], state["exp_avg_sq"], copy_of.get(id(p))),
+                                      strict=True):
+                    out.append(value)
+            for step, (params, grads, exp_avgs, exp_avg_sqs, copies) in by_step.items():
+                multi_adamw(params, grads, exp_avgs, exp_avg_sqs, copies=copies, lr=float(group["lr"]),
+                            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+        return loss

@@ -1,0 +1,107 @@
+""":class:`foundation.model.precision.MasterAdamW`: AdamW through :func:`kernels.multi_adamw`, taking the bf16
+gradients of :class:`CastOnce`'s copies as they are and writing the copies as it updates, in the static step
+(:class:`gem.loop.StaticStep`) and the plain one; trains as ``torch.optim.AdamW`` with the cast's own refresh and
+conversion does, and shares AdamW's checkpoint state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundation.model.precision import CastOnce, MasterAdamW
+from gem.loop import GraphConfig, StaticStep, train_step
+from tests.test_static_step import build, padded_batches
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _run_static(master: bool, steps: int = 4, grad_clip: float = 0.0):
+    model, _ = build()
+    cast = CastOnce(model)
+    if master:
+        optimizer = MasterAdamW(model.parameters(), lr=1e-2)
+        optimizer.keep_copies(cast)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = StaticStep(model, optimizer, autocast_dtype=torch.bfloat16, config=GraphConfig(), cast_once=cast,
+                      grad_clip=grad_clip)
+    torch.manual_seed(9)
+    losses, fresh = [], []
+    for batch in padded_batches(steps):
+        losses.append(step(batch)["loss"])
+        fresh.append(all(torch.equal(c, p.detach().to(c.dtype)) for p, c in zip(cast.params, cast.copies, strict=True)))
+    return torch.stack(losses), {k: v.clone() for k, v in model.state_dict().items()}, cast, optimizer, fresh
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.5], ids=["held_bf16_grads", "clipped_float_grads"])
+def test_static_step_with_master_adamw_trains_as_adamw_with_refreshed_copies(grad_clip):
+    """Same losses and parameters to the last bit: the held bf16 gradients are converted inside the update as
+    the cast's conversion would, and the copies the optimizer writes are what a refresh would copy. Without
+    clipping the copies' gradients never reach ``.grad``; with it they do (clipping needs them there)."""
+    plain, plain_state, _, _, _ = _run_static(master=False, grad_clip=grad_clip)
+    losses, state, cast, optimizer, fresh = _run_static(master=True, grad_clip=grad_clip)
+    assert cast.kept_by_optimizer and cast.names and all(fresh)
+    assert torch.equal(losses, plain)
+    for name, value in plain_state.items():
+        assert torch.equal(state[name], value), f"{name} moved apart"
+    converted = [p.grad is not None for p in cast.params]
+    assert all(converted) if grad_clip > 0 else not any(converted)
+    assert cast.held == {}  # taken by the step
+    assert {int(s["step"]) for s in optimizer.state.values()} == {4}
+
+
+def test_plain_step_with_master_adamw_does_not_refresh_or_accumulate():
+    """In the eager step the copies' gradients reach ``.grad`` through :meth:`CastOnce.collect_grads`; the copies
+    are not refreshed by the forward but written by the optimizer, and their gradients do not pile up."""
+    runs = []
+    for master in (False, True):
+        model, _ = build()
+        cast = CastOnce(model)
+        optimizer = MasterAdamW(model.parameters(), lr=1e-2) if master else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if master:
+            optimizer.keep_copies(cast)
+        torch.manual_seed(9)
+        losses = [train_step(model, b, optimizer, autocast_dtype=torch.bfloat16, cast_once=cast)["loss"].detach()
+                  for b in padded_batches(4)]
+        runs.append((torch.stack(losses), model.state_dict(), cast))
+    (plain, plain_state, _), (losses, state, cast) = runs
+    assert torch.equal(losses, plain)
+    assert all(torch.equal(state[k], v) for k, v in plain_state.items())
+    assert all(torch.equal(c, p.detach().to(c.dtype)) for p, c in zip(cast.params, cast.copies, strict=True))
+
+
+def test_state_moves_between_master_adamw_and_adamw():
+    """A checkpoint of either optimizer resumes in the other: the next steps agree to the last bit."""
+    def make(kind, model):
+        return (MasterAdamW if kind == "master" else torch.optim.AdamW)(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    batches = padded_batches(6)
+    for first, second in (("master", "adamw"), ("adamw", "master")):
+        results = []
+        for resumed_kind in (first, second):
+            model, _ = build()
+            optimizer = make(first, model)
+            torch.manual_seed(9)
+            for b in batches[:3]:
+                train_step(model, b, optimizer)
+            saved = optimizer.state_dict()
+            resumed = make(resumed_kind, model)
+            resumed.load_state_dict(saved)
+            losses = [train_step(model, b, resumed)["loss"].detach() for b in batches[3:]]
+            results.append((torch.stack(losses), model.state_dict()))
+        (a, state_a), (b, state_b) = results
+        assert torch.equal(a, b), f"{first} -> {second}"
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+def test_unsupported_options_say_so():
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    optimizer = MasterAdamW([p])
+    optimizer.param_groups[0]["amsgrad"] = True  # as a loaded AdamW state of amsgrad would set it
+    with pytest.raises(ValueError, match="neither amsgrad nor maximize"):
+        optimizer.step()
+    sparse = torch.nn.Parameter(torch.randn(4, 2))
+    sparse.grad = torch.sparse_coo_tensor([[1]], torch.ones(1, 2), (4, 2))
+    with pytest.raises(ValueError, match="sparse gradients"):
+        MasterAdamW([sparse]).step()
