@@ -222,6 +222,13 @@ class MasterAdamW(torch.optim.AdamW):
                  weight_decay: float = 1e-2) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self.cast_once: CastOnce | None = None
+        # Each parameter's step count on the host, mirroring state["step"]: reading the tensor at every step
+        # would be one `.item()` per parameter (a device sync where a loaded state put it on the GPU).
+        self.host_steps: dict[torch.Tensor, int] = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.host_steps = {}
 
     def keep_copies(self, cast_once: CastOnce) -> None:
         """Write ``cast_once``'s copies and take its held gradients from now on (class doc)."""
@@ -250,12 +257,15 @@ class MasterAdamW(torch.optim.AdamW):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
+                    self.host_steps[p] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if state["step"].device.type != "cpu":  # loaded from a fused AdamW's state: once
-                    state["step"] = state["step"].cpu()
+                if p not in self.host_steps:  # new, or loaded (from a fused AdamW's state: on the device)
+                    state["step"] = state["step"].detach().to("cpu", torch.float32)
+                    self.host_steps[p] = int(state["step"].item())
+                self.host_steps[p] += 1
                 state["step"] += 1
-                lists = by_step.setdefault(int(state["step"]), ([], [], [], [], []))
+                lists = by_step.setdefault(self.host_steps[p], ([], [], [], [], []))
                 for out, value in zip(lists, (p, grad, state["exp_avg"], state["exp_avg_sq"], copy_of.get(id(p))),
                                       strict=True):
                     out.append(value)
