@@ -32,7 +32,7 @@ from foundation.data.schema import EventSchema
 from foundation.metrics import PredictionLog, RankingMetrics
 from foundation.model.outputs import ModelOutput
 from foundation.model.padding import PaddedBatch, StaticShapes
-from foundation.model.precision import CastOnce
+from foundation.model.precision import CastOnce, MasterAdamW
 from gem.config import experiment_from_dict
 from gem.errors import ModelRoleError, ResumeError
 from gem.loop import StaticStep, Throughput, train_step
@@ -220,6 +220,10 @@ class RecModule(L.LightningModule):
         """The run's :class:`CastOnce`, made on first use: the static and the plain step share its copies."""
         if self.cast_once is None:
             self.cast_once = CastOnce(self.model, self.step_options.autocast_dtype)
+            optimizer = self.optimizers()
+            optimizer = getattr(optimizer, "optimizer", optimizer)  # under Lightning's wrapper
+            if isinstance(optimizer, MasterAdamW):
+                optimizer.keep_copies(self.cast_once)
         return self.cast_once
 
     def clip_norm(self, max_norm: float) -> None:
@@ -272,7 +276,9 @@ class RecModule(L.LightningModule):
             datamodule.start_epoch(self.current_epoch)
 
     def configure_optimizers(self):
-        """AdamW, fused (one kernel per step instead of several per parameter) where :func:`fuses_adamw` allows."""
+        """AdamW, fused (one kernel per step instead of several per parameter) where :func:`fuses_adamw` allows;
+        with ``train.cast_once`` there, :class:`MasterAdamW` (the same update, which also reads the bf16 copies'
+        gradients and writes the copies in its pass)."""
         params = self.parameters()
         if self.sharing is not None:
             # Shared teacher parameters train by the sharing policy: frozen, or in a lower-lr group.
@@ -280,6 +286,8 @@ class RecModule(L.LightningModule):
         # Under parallel.enabled the distributed checkpoint pre-allocates AdamW's state as the unfused
         # optimizer keeps it (the step count on the host), so the default implementation stays.
         fused = not self.cfg.parallel.enabled and fuses_adamw(list(self.parameters()))
+        if fused and self.step_options.cast_once:
+            return MasterAdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
         return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay, fused=fused)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from experiments import bench_teacher, bench_teacher_harness
 from foundation.checkpoint import load_checkpoint_file
 from foundation.config import ConfigError, apply_overrides
 from foundation.model.padding import PaddedBatch
+from foundation.model.precision import MasterAdamW
 from gem.cli import main
 from gem.datamodule import EventDataModule
 from gem.flavors import get_flavor
@@ -92,13 +93,20 @@ def test_bucketed_batches_train_through_the_static_step_as_the_plain_step(datase
 
 
 def test_cast_once_under_bf16_trains_as_autocast(dataset, tmp_path):
-    """bf16-mixed on CPU: the parameters cast once per step give autocast's losses, to the last bit."""
+    """bf16-mixed on CPU: the parameters cast once per step give autocast's losses, to the last bit where the
+    optimizers agree. With cast once the optimizer is MasterAdamW, which keeps the copies (written in its update,
+    not refreshed by the forward); torch's fused CPU AdamW, without, rounds its update otherwise from the second
+    step on, so later losses agree within that rounding."""
     steps = ["train.max_steps=4", "train.precision=bf16-mixed"]
     autocast, autocast_module = fit(dataset, tmp_path / "autocast", [*steps, "train.cast_once=false"])
     once, module = fit(dataset, tmp_path / "once", steps)
-    assert autocast_module.cast_once is None
+    assert autocast_module.cast_once is None and type(autocast_module.optimizers().optimizer) is torch.optim.AdamW
     assert "blocks.0.uvqk.weight" in module.cast_once.names and module.cast_once.copies[0].dtype == torch.bfloat16
-    assert once.losses == autocast.losses
+    assert isinstance(module.optimizers().optimizer, MasterAdamW) and module.cast_once.kept_by_optimizer
+    copies_fresh = [torch.equal(c, p.detach().to(c.dtype)) for p, c in zip(module.cast_once.params, module.cast_once.copies, strict=True)]
+    assert all(copies_fresh)
+    assert once.losses[:2] == autocast.losses[:2]
+    torch.testing.assert_close(torch.tensor(once.losses), torch.tensor(autocast.losses), rtol=1e-3, atol=0)
 
 
 def test_bucketed_bf16_steps_stay_with_the_plain_bf16_steps(dataset, tmp_path):
