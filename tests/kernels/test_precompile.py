@@ -189,7 +189,8 @@ def test_a_launch_waits_for_its_compile_only_until_the_deadline(tmp_path, monkey
         assert job.pending()
         start = time.perf_counter()
         job.wait_for(other)
-        assert time.perf_counter() - start < 0.5
+        # Well under the 2 s deadline (a loaded CI machine may be slow to return, but not by a deadline).
+        assert time.perf_counter() - start < 1.5
         job.wait_for(spec)
         assert 1.5 < time.perf_counter() - start < 60
         report = job.report()
@@ -400,7 +401,8 @@ def test_closing_without_waiting_leaves_the_workers_exit_to_a_reaper(tmp_path, m
     pool.reaper.join(60)
     reaped = time.perf_counter() - start
     assert [process.returncode for process in pool.processes] == [0, 0]
-    assert returned < 1.0 <= 3.0 <= reaped
+    # Returned before any worker's 3 s exit could have ended (a margin for a loaded machine), reaped after.
+    assert returned < 2.5 and reaped >= 3.0
 
 
 def test_nothing_compiles_in_the_interpreter(on_triton):
