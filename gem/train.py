@@ -33,6 +33,7 @@ from foundation.data.io import CorruptFileError, atomic_path, sha256_file
 from foundation.data.pipeline import count_rows
 from foundation.data.schema import TASKS, SchemaError
 from foundation.data.validate import DataValidationError
+from foundation.model.precision import MasterAdamW
 from gem.callbacks import GemProgressBar, RecordAndCheckpoint, ValidateLastEpoch
 from gem.config import ExperimentConfig
 from gem.datamodule import EventDataModule
@@ -155,11 +156,14 @@ class PrecompileKernels(L.Callback):
             return
         split = pl_module.cfg.data.train_split
         options = pl_module.step_options
+        optimizers = getattr(trainer, "optimizers", None) or [None]
+        optimizer = optimizers[0]
         self.started = start_precompile_step(
             pl_module.model, batch, autocast_dtype=options.autocast_dtype,
             forward=lambda b: pl_module.forward_batch(b, split),
-            cast_dtype=options.autocast_dtype if options.cast_once else None, pool=self.pool, key=self.key,
-            log=_log.info,
+            cast_dtype=options.autocast_dtype if options.cast_once else None,
+            master_adamw=isinstance(getattr(optimizer, "optimizer", optimizer), MasterAdamW), pool=self.pool,
+            key=self.key, log=_log.info,
         )
         self.report = self.started.result
         if self.started.job is None:

@@ -145,6 +145,31 @@ def test_the_record_holds_the_cast_once_copies_of_the_first_steps(on_triton):
     assert set(record.specs) == set(real.specs)
 
 
+def test_the_record_holds_the_master_adamw_launches_of_the_first_steps(on_triton):
+    """With ``master_adamw`` the record also holds the optimizer's kernel in the variants a step with
+    :class:`MasterAdamW` keeping the copies launches: float32 gradients without copies, the first step's float32
+    gradients into the copies, and the held bf16 gradients into them from the second step on."""
+    from foundation.model.padding import StaticShapes, pad_batch
+    from foundation.model.precision import CastOnce, MasterAdamW
+    from gem.loop import GraphConfig, StaticStep
+
+    model = tiny_teacher()
+    batch = pad_batch(make_batch(CTR_SCHEMA, [0, 1, 5, 9, 3, 2]), StaticShapes(tokens=48, rows=(8, 16), max_len=12))
+    plain = record_step(model, batch, autocast_dtype=torch.bfloat16, cast_dtype=torch.bfloat16)
+    record = record_step(model, batch, autocast_dtype=torch.bfloat16, cast_dtype=torch.bfloat16, master_adamw=True)
+    cast = CastOnce(model)
+    optimizer = MasterAdamW(model.parameters())
+    optimizer.keep_copies(cast)
+    step = StaticStep(model, optimizer, autocast_dtype=torch.bfloat16, config=GraphConfig(), cast_once=cast)
+    with record_launches() as real:
+        step(batch)
+        step(batch)
+    added = [s for s in record.specs if s not in plain.specs]
+    assert len(added) == 3 and {s.name for s in added} == {"_adamw_kernel"}
+    # The gradients' conversion is recorded too (a clipping step still converts them), but not launched here.
+    assert set(real.specs) <= set(record.specs) and set(added) <= set(real.specs)
+
+
 class WaitingJob:
     """Stands in for a :class:`CompileJob` whose every spec is still compiling: notes what each launch waits for."""
 
