@@ -121,3 +121,20 @@ def test_bad_arguments_get_one_line_errors(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         multi_adamw(params, kwargs["grads"], kwargs["exp_avgs"], squares, copies=kwargs["copies"],
                     step=kwargs["step"], backend="pytorch", **HYPER)
+
+
+def test_bench_adamw_times_every_variant_and_lists_what_the_profiler_saw(tmp_path):
+    """``experiments.bench_adamw`` on CPU (the Triton kernel in the interpreter): every variant timed ``--repeats``
+    times, and the profiled call's work listed."""
+    import json
+
+    from experiments import bench_adamw
+
+    out = tmp_path / "adamw.json"
+    assert bench_adamw.main(["--sizes", "10,2049,3", "--repeats", "2", "--backend", "triton", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["values"] == 2062 and result["tensors"] == 3 and result["device"] == "cpu"
+    assert set(result["variants"]) == {"multi_adamw_bf16_grads_copies", "multi_adamw_float32", "torch_fused_adamw"}
+    assert all(len(v["ms_all"]) == 2 and v["ms_median"] > 0 for v in result["variants"].values())
+    assert result["profiled"] and all(e["ms"] > 0 for e in result["profiled"])
+    assert bench_adamw.main(["--scale", "0"]) == 2
