@@ -125,6 +125,7 @@ def launch_master_adamw(device: torch.device, cast_dtype: torch.dtype | None) ->
     """The launches of a :class:`~foundation.model.precision.MasterAdamW` step on one-element stand-ins: float32
     gradients of parameters without a copy and, with ``cast_dtype`` copies, float32 (the first step's, before the
     copies exist in the forward) and ``cast_dtype`` gradients (the held ones) into those copies."""
+
     def one(dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(1, dtype=dtype, device=device)
 
@@ -186,8 +187,9 @@ def start_precompile_step(
     key: str | None = None,
     log: Callable[[str], None] = print,
 ) -> StepPrecompile:
-    """Record the step's launches on ``batch`` (:func:`record_step`; ``cast_dtype`` and ``master_adamw`` as there), each spec sent to
-    ``pool``'s workers (made here, of ``workers`` processes, when not given) as the recording meets it, and return
+    """Record the step's launches on ``batch`` (:func:`record_step`; ``cast_dtype`` and ``master_adamw`` as there),
+    each spec sent to ``pool``'s workers (made here, of ``workers`` processes, when not given) as the recording
+    meets it, and return
     while they compile: the step then runs inside :meth:`StepPrecompile.gate`, its early launches overlapping the
     compiles of its late ones, and :meth:`StepPrecompile.finish` waits for the rest and reports.
 

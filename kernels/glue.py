@@ -299,7 +299,6 @@ def multi_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, ba
     impl(list(dsts), list(srcs))
 
 
-
 def multi_adamw(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
