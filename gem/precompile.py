@@ -189,9 +189,9 @@ def start_precompile_step(
 ) -> StepPrecompile:
     """Record the step's launches on ``batch`` (:func:`record_step`; ``cast_dtype`` and ``master_adamw`` as there),
     each spec sent to ``pool``'s workers (made here, of ``workers`` processes, when not given) as the recording
-    meets it, and return
-    while they compile: the step then runs inside :meth:`StepPrecompile.gate`, its early launches overlapping the
-    compiles of its late ones, and :meth:`StepPrecompile.finish` waits for the rest and reports.
+    meets it, and return while they compile: the step then runs inside :meth:`StepPrecompile.gate`, its early
+    launches overlapping the compiles of its late ones, and :meth:`StepPrecompile.finish` waits for the rest and
+    reports.
 
     With ``key`` (:func:`step_key`): skipped, with one logged line, when the step's manifest says the cache holds
     its kernels (:func:`kernels.precompile.cached_step`, which also settles this process's kernel keys, so the
