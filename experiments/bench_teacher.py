@@ -50,7 +50,10 @@ per bucket; ``--cuda-graphs`` then captures each bucket's dense forward and back
 after ``--graph-warmup`` eager steps and replays it (a failed capture prints one line and runs eagerly).
 Throughput counts the real rows and tokens only. ``--no-cast-once`` restores autocast's cast of every
 parameter at every use (:class:`foundation.model.precision.CastOnce` casts once per step, same values; in the
-static step, inside its graph).
+static step, inside its graph). ``--optimizer master`` (default) steps with
+:class:`foundation.model.precision.MasterAdamW`, which in the static step reads the copies' bf16 gradients and
+writes the copies itself; ``--optimizer adamw`` with torch's fused AdamW (float32 gradients, copies refreshed by the
+forward).
 
 ``--count-ops N`` (after the timed steps; ``--steps 0`` for none) counts the ATen operators and Triton
 launches of ``N`` eager steps by phase, kind and source line, then times the host of ``N`` more
