@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from experiments.kernel_groups import device_kernel_us
 from foundation.data.io import atomic_write_text
 from kernels import multi_adamw
 
@@ -98,16 +99,20 @@ def time_variants(variants: dict, device: torch.device, repeats: int) -> dict[st
 
 
 def profiled_kernels(fn: Callable[[int], None], device: torch.device) -> list[dict]:
-    """What the profiler saw of one call: kernels (device time) on a GPU, ops (host time) on a CPU."""
+    """What the profiler saw of one call: on a GPU the device's own records of its kernels and copies
+    (:func:`experiments.kernel_groups.device_kernel_us`) and the device time the host ops were credited with (the
+    step profile's source), on a CPU the ops' host time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn(10**6)
         sync(device)
-    seen = []
-    for event in prof.key_averages():
-        us = event.device_time_total if device.type == "cuda" else event.self_cpu_time_total
-        if us > 0 and (device.type != "cuda" or event.device_time_total > 0):
-            seen.append({"name": event.key[:120], "ms": us / 1e3, "count": event.count})
+    if device.type == "cuda":
+        credited = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        seen = [{"name": name[:120], "ms": us / 1e3, "credited_to_host_ops_ms": credited}
+                for name, us in device_kernel_us(prof).items()]
+    else:
+        seen = [{"name": e.key[:120], "ms": e.self_cpu_time_total / 1e3} for e in prof.key_averages()
+                if e.self_cpu_time_total > 0]
     return sorted(seen, key=lambda e: -e["ms"])[:8]
 
 

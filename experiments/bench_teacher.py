@@ -138,7 +138,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from experiments.device_timeline import format_timeline, profiler_spans, summarize_timeline  # noqa: E402
-from experiments.kernel_groups import kernel_breakdown  # noqa: E402
+from experiments.kernel_groups import device_kernel_us, kernel_breakdown, unattributed_kernels  # noqa: E402
 from experiments.op_count import count_steps, format_counts  # noqa: E402
 from foundation.config import apply_overrides  # noqa: E402
 from foundation.data.io import atomic_write_text  # noqa: E402
@@ -414,7 +414,8 @@ def find_sync_points(step, batch) -> list[dict]:
 
 def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) -> dict:
     """``torch.profiler`` over the next ``num_steps`` steps: the operators and kernels that took the most
-    device time (host time on CPU) as a table, and the kernel time by group; printed and kept in the JSON."""
+    device time (host time on CPU) as a table, the kernel time by group, and on the GPU the kernels the device ran
+    that no group holds (linked to no host op); printed and kept in the JSON."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
     steps = 0
     with profile(activities=activities) as prof:
@@ -428,7 +429,13 @@ def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) 
     print(table, flush=True)
     groups = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall, top=top)
     print("kernel time per step by group (ms): " + json.dumps({k: round(v, 2) for k, v in groups["groups_ms_per_step"].items()}), flush=True)
-    return {"table": table, "groups": groups}
+    missing = []
+    if use_cuda:
+        # Every kernel's credited time, to compare with the device's own records.
+        every = kernel_breakdown(prof.events(), on_device=True, steps=steps, wall_s=wall, top=10**6)
+        missing = unattributed_kernels(device_kernel_us(prof), every, steps=steps)
+        print("kernels no group holds (ms/step): " + json.dumps([(k["name"][:80], round(k["ms_per_step"], 3)) for k in missing]), flush=True)
+    return {"table": table, "groups": groups, "unattributed_kernels": missing}
 
 
 def timeline_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) -> dict:

@@ -118,3 +118,31 @@ def kernel_breakdown(events, *, on_device: bool, steps: int, wall_s: float, top:
     if on_device:
         result["device_idle_share"] = max(0.0, 1.0 - total_us / 1e6 / wall_s) if wall_s > 0 else None
     return result
+
+
+def unattributed_kernels(device_us: dict[str, float], breakdown: dict, *, steps: int, min_ms: float = 0.05) -> list[dict]:
+    """Kernels the device ran for longer than the breakdown (:func:`kernel_breakdown`) credits them: those the
+    profiler linked to no host op, so no group holds them. ``device_us``: kernel name -> microseconds over the
+    profiled steps, from the device's own records (:func:`device_kernel_us`); ``breakdown``'s ``top_kernels`` must
+    list every kernel (``top`` at least their number). Per step, names cut as the breakdown cuts them."""
+    credited: dict[str, float] = defaultdict(float)
+    for kernel in breakdown["top_kernels"]:
+        credited[kernel["name"]] += kernel["ms_per_step"]
+    per_step = max(steps, 1) * 1e3
+    missing = []
+    for name, us in device_us.items():
+        ms = us / per_step - credited.get(name[:160], 0.0)
+        if ms >= min_ms:
+            missing.append({"name": name[:160], "ms_per_step": ms})
+    return sorted(missing, key=lambda k: -k["ms_per_step"])
+
+
+def device_kernel_us(prof) -> dict[str, float]:
+    """Kernel name -> microseconds of every device activity a finished ``torch.profiler.profile`` recorded."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() == DeviceType.CUDA:
+            totals[event.name()] += (event.end_ns() - event.start_ns()) / 1e3
+    return dict(totals)

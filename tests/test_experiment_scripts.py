@@ -156,3 +156,23 @@ def test_kernel_names_fall_into_their_groups():
         "Memcpy HtoD (Pinned -> Device)": "other",
     }
     assert {n: name_group(n) for n in names} == names
+
+
+def test_kernels_the_device_ran_but_no_group_holds_are_listed():
+    """The device's own records against the groups' credit: a kernel linked to no host op (here `_adamw_kernel`,
+    absent from the breakdown) and one credited only in part are listed per step; fully credited ones and
+    differences below the threshold are not."""
+    from experiments.kernel_groups import unattributed_kernels
+
+    breakdown = {"top_kernels": [
+        {"name": "_ln_bwd_kernel", "group": "elementwise_norm", "ms_per_step": 4.0, "launches_per_step": 102},
+        {"name": "gemm_a", "group": "gemm", "ms_per_step": 1.0, "launches_per_step": 2},
+        {"name": "gemm_a", "group": "attention", "ms_per_step": 0.5, "launches_per_step": 1},
+        {"name": "Memset (Device)", "group": "other", "ms_per_step": 0.25, "launches_per_step": 300},
+    ]}
+    device_us = {"_ln_bwd_kernel": 12_000.0, "gemm_a": 4_500.0 + 600.0, "_adamw_kernel": 10_500.0,
+                 "Memset (Device)": 750.0 + 30.0}
+    missing = unattributed_kernels(device_us, breakdown, steps=3)
+    assert [k["name"] for k in missing] == ["_adamw_kernel", "gemm_a"]
+    assert missing[0]["ms_per_step"] == pytest.approx(3.5) and missing[1]["ms_per_step"] == pytest.approx(0.2)
+    assert unattributed_kernels({}, breakdown, steps=3) == []
