@@ -262,7 +262,8 @@ def train(
             started = start_precompile_step(
                 model, batch.to(device), autocast_dtype=torch.bfloat16 if args.precision == "bf16" else None,
                 cast_dtype=torch.bfloat16 if args.precision == "bf16" and args.cast_once else None,
-                master_adamw=isinstance(optimizer, MasterAdamW), pool=pool, workers=args.precompile_workers or None, key=key, log=log_line,
+                master_adamw=isinstance(optimizer, MasterAdamW), pool=pool, workers=args.precompile_workers or None,
+                key=key, log=log_line,
             )
             marks["precompile"] = started.result
         first = "first_step_process_s" not in marks
@@ -427,12 +428,12 @@ def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) 
     sort_by = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=20, max_name_column_width=60)
     print(table, flush=True)
-    groups = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall, top=top)
+    # Every kernel, to compare their credited time with the device's own records; the JSON keeps the top ones.
+    every = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall, top=10**6)
+    groups = {**every, "top_kernels": every["top_kernels"][:top]}
     print("kernel time per step by group (ms): " + json.dumps({k: round(v, 2) for k, v in groups["groups_ms_per_step"].items()}), flush=True)
     missing = []
     if use_cuda:
-        # Every kernel's credited time, to compare with the device's own records.
-        every = kernel_breakdown(prof.events(), on_device=True, steps=steps, wall_s=wall, top=10**6)
         missing = unattributed_kernels(device_kernel_us(prof), every, steps=steps)
         print("kernels no group holds (ms/step): " + json.dumps([(k["name"][:80], round(k["ms_per_step"], 3)) for k in missing]), flush=True)
     return {"table": table, "groups": groups, "unattributed_kernels": missing}

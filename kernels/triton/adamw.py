@@ -24,12 +24,11 @@ import triton
 import triton.language as tl
 
 from kernels.pytorch.adamw import multi_adamw as reference_multi_adamw
-from kernels.triton.multi_copy import bf16_nearest_even, block_programs, device_tables, read_layout
+from kernels.triton.multi_copy import bf16_nearest_even, block_programs, cached_tables, read_layout
 
 BLOCK = 2048
-KEEP_TABLES = 16
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
-_COLUMNS = 9  # param, grad, exp_avg, exp_avg_sq, copy, numel, grad cols, grad stride 0, grad stride 1
+# Per tensor: param, grad, exp_avg, exp_avg_sq, copy (0: none), numel, grad cols, grad stride 0, grad stride 1.
 
 
 @triton.jit
@@ -104,16 +103,13 @@ def _tables(group: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, int]:
     their addresses."""
     key = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), c.data_ptr() if c is not None else 0,
                  p.numel(), *lay) for p, g, m, v, c, lay in group)
-    cached = _TABLES.get(key)
-    if cached is not None:
-        _TABLES.move_to_end(key)
-        return cached
-    rows = torch.tensor([list(k) for k in key], dtype=torch.int64).reshape(-1, _COLUMNS)
-    aligned = (rows[:, 6] == 0) & (rows[:, :4] % 16 == 0).all(1) & (rows[:, 4] % 16 == 0)
-    _TABLES[key] = cached = device_tables(rows, block_programs(rows[:, 5], aligned, BLOCK), group[0][0].device)
-    while len(_TABLES) > KEEP_TABLES:
-        _TABLES.popitem(last=False)
-    return cached
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.tensor([list(k) for k in key], dtype=torch.int64)
+        aligned = (rows[:, 6] == 0) & (rows[:, :5] % 16 == 0).all(1)
+        return rows, block_programs(rows[:, 5], aligned, BLOCK)
+
+    return cached_tables(_TABLES, key, build, group[0][0].device)
 
 
 def multi_adamw(params, grads, exp_avgs, exp_avg_sqs, copies, *, lr, betas, eps, weight_decay, step) -> None:
@@ -130,8 +126,8 @@ def multi_adamw(params, grads, exp_avgs, exp_avg_sqs, copies, *, lr, betas, eps,
             continue
         groups.setdefault((g.dtype, None if c is None else c.dtype), []).append((p, g, m, v, c, layout))
     if rest:
-        reference_multi_adamw(*map(list, zip(*rest, strict=True)), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                  step=step)
+        reference_multi_adamw(*map(list, zip(*rest, strict=True)), lr=lr, betas=betas, eps=eps,
+                              weight_decay=weight_decay, step=step)
     for group in groups.values():
         tensors, programs, count = _tables(group)
         p0, g0, _, _, c0, _ = group[0]

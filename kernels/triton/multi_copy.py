@@ -94,16 +94,30 @@ def _key(dsts, srcs, layouts) -> tuple:
 def _tables(key: tuple, dsts, srcs, layouts):
     """``(tensors [T, 6] int64, programs [P, 3] int64, P)`` on the device, cached by ``key`` (:func:`_key`: the
     tensors' addresses and layouts)."""
-    cached = _TABLES.get(key)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.tensor([[s.data_ptr(), d.data_ptr(), d.numel(), *lay]
+                             for d, s, lay in zip(dsts, srcs, layouts, strict=True)])
+        aligned = (rows[:, 3] == 0) & (rows[:, 0] % 16 == 0) & (rows[:, 1] % 16 == 0)
+        return rows, block_programs(rows[:, 2], aligned, BLOCK)
+
+    return cached_tables(_TABLES, key, build, dsts[0].device)
+
+
+def cached_tables(cache: OrderedDict, key: tuple, build, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(rows, programs, P)`` of ``key`` on ``device`` from ``cache``, the ``KEEP_TABLES`` latest sets kept; made
+    from ``build() -> (rows, programs)`` and copied to the device (through pinned memory on CUDA) where absent."""
+    cached = cache.get(key)
     if cached is not None:
-        _TABLES.move_to_end(key)
+        cache.move_to_end(key)
         return cached
-    rows = torch.tensor([[s.data_ptr(), d.data_ptr(), d.numel(), *lay] for d, s, lay in zip(dsts, srcs, layouts,
-                                                                                           strict=True)])
-    aligned = (rows[:, 3] == 0) & (rows[:, 0] % 16 == 0) & (rows[:, 1] % 16 == 0)
-    _TABLES[key] = cached = device_tables(rows, block_programs(rows[:, 2], aligned, BLOCK), dsts[0].device)
-    while len(_TABLES) > KEEP_TABLES:
-        _TABLES.popitem(last=False)
+    rows, programs = build()
+    pin = device.type == "cuda"
+    tensors = (rows.pin_memory() if pin else rows).to(device, non_blocking=True)
+    table = (programs.pin_memory() if pin else programs).to(device, non_blocking=True)
+    cache[key] = cached = (tensors, table, len(programs))
+    while len(cache) > KEEP_TABLES:
+        cache.popitem(last=False)
     return cached
 
 
@@ -116,14 +130,6 @@ def block_programs(numel: torch.Tensor, aligned: torch.Tensor, block: int) -> to
     start = (torch.arange(len(tensor)) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)) * block
     whole = aligned[tensor] & (start + block <= numel[tensor])
     return torch.stack([tensor, start, whole.long()], 1)
-
-
-def device_tables(rows: torch.Tensor, programs: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(rows, programs, P)`` with both tables copied to ``device`` (through pinned memory on CUDA)."""
-    pin = device.type == "cuda"
-    tensors = (rows.pin_memory() if pin else rows).to(device, non_blocking=True)
-    table = (programs.pin_memory() if pin else programs).to(device, non_blocking=True)
-    return tensors, table, len(programs)
 
 
 def multi_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
