@@ -146,9 +146,10 @@ def test_personalized_ffn_equals_its_previous_formulation(autocast, cast_once):
 
 
 def summary_before(m: SequenceSummary, seq: torch.Tensor, layout: SuffixLayout, offsets: torch.Tensor,
-                   max_len: int, num_cls: int) -> torch.Tensor:
+                   max_len: int, num_cls: int, key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[L + B*S, d]`` -> ``[B, C + seeds + K, d]``: the summary as it was, on the stream split into history and
-    suffix at every layer (one permutation of the whole stream each way)."""
+    suffix at every layer (one permutation of the whole stream each way), its PMA's bias on every key
+    (``key_bias[d]``, none when None) and every value."""
     history, suffix = layout.split(seq)
     batch, d = offsets.numel() - 1, seq.shape[-1]
     parts = [suffix[:, :num_cls]]
@@ -156,6 +157,9 @@ def summary_before(m: SequenceSummary, seq: torch.Tensor, layout: SuffixLayout, 
         h, s = m.num_heads, m.num_seeds
         q = m.query(m.seeds).view(1, s, h, d // h).expand(batch, s, h, d // h).reshape(batch * s, h, d // h)
         k, v = m.key_value(apply_layer_norm(m.kv_norm, history)).view(-1, 2, h, d // h).unbind(1)
+        v = (v + m.value_bias.view(h, d // h)).to(v.dtype)
+        if key_bias is not None:
+            k = (k + key_bias.view(h, d // h)).to(k.dtype)
         seeds = torch.arange(batch + 1) * s
         pooled = jagged_cross_attention(q, k, v, seeds, offsets, s, max(max_len, 1), activation="softmax")
         parts.append(m.seeds + m.pma_out(pooled.reshape(batch, s, d)))
@@ -198,6 +202,29 @@ def test_sequence_summary_on_the_stream_equals_its_previous_formulation(autocast
                                                                         num_cls):
     new, old, x = summary_case(num_seeds, num_recent, num_cls)
     assert_same(outputs_and_grads(new, x, autocast, cast_once), outputs_and_grads(old, x, autocast, False), autocast)
+
+
+def test_pma_key_bias_cancels_in_the_softmax_and_checkpoints_with_it_load():
+    """A checkpoint of the PMA projection with a bias on keys and values loads (the values' half becomes
+    ``value_bias``) and the summary equals the one with both biases on every key and value, empty history included."""
+    new, _, x = summary_case(3, 2)
+    module = new.inner
+    state = module.state_dict()
+    del state["value_bias"]
+    state["key_value.bias"] = torch.randn(32, generator=torch.Generator().manual_seed(2))
+    module.load_state_dict(state)
+    torch.testing.assert_close(module.value_bias.detach(), state["key_value.bias"][16:], rtol=0, atol=0)
+    assert "key_value.bias" not in module.state_dict()
+
+    lengths, num_suffix = [5, 0, 2, 9], 3
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    layout = SuffixLayout.build(offsets, sum(lengths), num_suffix)
+    key_bias = state["key_value.bias"][:16]
+    old = Call(module, lambda m, t: summary_before(m, t, layout, offsets, max(lengths), 2, key_bias=key_bias).flatten())
+    summary_size = len(lengths) * (2 + 3 + 2) * 16
+    got = outputs_and_grads(Call(module, lambda m, t: new.fn(m, t)[:summary_size]), x, False, False)
+    want = outputs_and_grads(old, x, False, False)
+    assert_same(got, want, autocast=False)
 
 
 def test_static_step_hands_the_fused_optimizer_gradients_in_the_parameters_layout():

@@ -81,6 +81,7 @@ class SummaryLayout:
         seed_offsets: ``[2B+1]`` PMA queries: ``num_seeds`` for each history, none for each suffix; or None.
         key_offsets: ``[2B+1]`` the stream as ``2B`` key sequences, ``c_b, c_b + n_b, c_{b+1}, ...``; or None.
         max_keys: at least the most keys of any of those sequences.
+        has_history: ``[B]`` bool: row ``b``'s history is not empty (its PMA queries have keys).
         picks: ``[B, C + K]`` stream positions of the CLS tokens, then of the K most recent history tokens.
         pick_valid: ``[B, C + K]`` bool: False for recent slots before the start of a shorter history.
     """
@@ -89,6 +90,7 @@ class SummaryLayout:
     seed_offsets: torch.Tensor | None
     key_offsets: torch.Tensor | None
     max_keys: int
+    has_history: torch.Tensor
     picks: torch.Tensor
     pick_valid: torch.Tensor
 
@@ -110,7 +112,8 @@ class SummaryLayout:
         rows = torch.arange(batch, device=device)[:, None]
         picks = torch.cat([cls_picks, recent.index + rows * layout.num_suffix], 1)
         valid = torch.cat([torch.ones_like(cls_picks, dtype=torch.bool), recent.valid], 1)
-        return cls(num_cls, seeds, keys, max(max_len, layout.num_suffix, 1), picks, valid)
+        has_history = offsets[1:] > offsets[:-1]
+        return cls(num_cls, seeds, keys, max(max_len, layout.num_suffix, 1), has_history, picks, valid)
 
 
 class SequenceSummary(nn.Module):
@@ -119,6 +122,11 @@ class SequenceSummary(nn.Module):
     CLS tokens; PMA: learned seeds cross-attend (softmax) to the history, rows with an empty history
     get the bare seeds; the K most recent history tokens, slots before the start of a short history
     holding a learned filler.
+
+    The PMA's key projection has no bias: a bias on the keys adds the same ``q·b`` to every score of a query, which
+    the softmax cancels. The value bias is added to the pooled output instead of to every value (the softmax
+    weights of a query with keys sum to one), so its gradient is a sum over ``B x seeds`` rows, not over the
+    stream's tokens. Checkpoints with the former ``key_value.bias`` load into this form (:meth:`_load_from_state_dict`).
     """
 
     def __init__(self, d_model: int, num_heads: int, num_seeds: int, num_recent: int) -> None:
@@ -130,7 +138,10 @@ class SequenceSummary(nn.Module):
             self.seeds = nn.Parameter(torch.randn(num_seeds, d_model) * 0.02)
             self.kv_norm = nn.LayerNorm(d_model)
             self.query = nn.Linear(d_model, d_model)
+            # Drawn as the former projection with both biases was (same initial function, same random stream).
             self.key_value = nn.Linear(d_model, 2 * d_model)
+            self.value_bias = nn.Parameter(self.key_value.bias.detach()[d_model:].clone())
+            self.key_value.bias = None
             self.pma_out = nn.Linear(d_model, d_model)
         if num_recent:
             self.recent_fill = nn.Parameter(torch.zeros(num_recent, d_model))
@@ -151,7 +162,15 @@ class SequenceSummary(nn.Module):
             pooled = jagged_cross_attention(
                 q, k, v, layout.seed_offsets, layout.key_offsets, s, layout.max_keys, activation="softmax"
             )
-        return self.seeds + self.pma_out(pooled.reshape(batch, s, d))
+        pooled = pooled.reshape(batch, s, d) + self.value_bias * layout.has_history[:, None, None]
+        return self.seeds + self.pma_out(pooled)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The former projection's bias ``[keys; values]``: the keys' half cancels in the softmax (class doc).
+        old = state_dict.pop(prefix + "key_value.bias", None)
+        if old is not None and self.num_seeds:
+            state_dict.setdefault(prefix + "value_bias", old[old.shape[0] // 2 :])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
         self, seq: torch.Tensor, layout: SummaryLayout, branch: torch.Tensor | None = None

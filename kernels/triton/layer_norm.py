@@ -7,8 +7,9 @@ read and write ``y`` once more each way). What it saves over eager PyTorch under
 output, multiplies it by the gate into another float32 tensor and casts that to bf16 for the next
 GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. The backward reads
 ``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
-per-program float32 partial sums over a block of rows, added once at the end (deterministic, one reduction
-for both).
+per-program float32 partial sums over a block of rows. The last program of each group of ``GROUP`` to finish
+(an atomic count) adds its group's partials in program order, so what is left for the end is one small
+reduction over groups instead of one over every program's partials (deterministic either way).
 
 ``residual_layer_norm``: ``s = x + branch``, ``y = LN(s)``, both written by one pass that reads ``x`` and the
 branch (a block's output added to the float32 residual stream, normalised for the next block). Eager writes
@@ -63,12 +64,14 @@ def _ln_fwd_kernel(
 # The row count changes with every batch: specialising on its divisibility would compile twice.
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _ln_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, m_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr, dw_ptr, db_ptr,
-    M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx, stride_dr, stride_dg,
-    stride_partial, scale, keep_scale,
+    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, m_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr, partial_ptr,
+    group_ptr, count_ptr, M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx,
+    stride_dr, stride_dg, scale, keep_scale,
     HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """``partial_ptr``: ``[programs, 2, N]`` float32 (each program's dw, db); ``group_ptr``: ``[groups, 2, N]``, each
+    group's sums; ``count_ptr``: ``[groups]`` int32 zeros."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -102,8 +105,22 @@ def _ln_bwd_kernel(
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_RESIDUAL:
             tl.store(dr_ptr + row * stride_dr + cols, dx.to(dr_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_ptr + pid * stride_partial + cols, dw, mask=mask)
-    tl.store(db_ptr + pid * stride_partial + cols, db, mask=mask)
+    tl.store(partial_ptr + pid * 2 * N + cols, dw, mask=mask)
+    tl.store(partial_ptr + (pid * 2 + 1) * N + cols, db, mask=mask)
+    # Every thread's partial stored before the count is raised (which releases them to the group's last program).
+    tl.debug_barrier()
+    group = pid // GROUP
+    first_pid = group * GROUP
+    size = tl.minimum(GROUP, tl.num_programs(0) - first_pid)
+    arrived = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
+    if arrived == size - 1:
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for p in range(first_pid, first_pid + size):  # program order, whichever finished last
+            dw += tl.load(partial_ptr + p * 2 * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            db += tl.load(partial_ptr + (p * 2 + 1) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(group_ptr + group * 2 * N + cols, dw, mask=mask)
+        tl.store(group_ptr + (group * 2 + 1) * N + cols, db, mask=mask)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -116,6 +133,8 @@ def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
 # programs per SM to keep enough rows' loads in flight (docs/benchmarks.md, session 28).
 BWD_PROGRAMS_PER_SM = 16
 BWD_WARPS = 2
+# Programs whose partial sums the last of them to finish adds up.
+BWD_GROUP = 16
 
 
 def _num_programs(m: int, device: torch.device) -> int:
@@ -161,19 +180,23 @@ def _backward(
     dr = torch.empty(m, n, device=x2.device, dtype=residual_dtype) if residual_dtype is not None else None
     dg = torch.empty(m, n, device=x2.device, dtype=gate_dtype) if g2 is not None else None
     programs = _num_programs(m, x2.device)
-    # Each program writes its partial sums of dw and db side by side (one reduction sums both); only an
-    # empty input launches none.
-    partial = (torch.empty if m else torch.zeros)(programs, 2, n, device=x2.device, dtype=torch.float32)
+    groups = triton.cdiv(programs, BWD_GROUP)
+    # Each program's partial sums of dw and db lie side by side, then each group's (one reduction sums both);
+    # only an empty input launches none.
+    partial = torch.empty(programs, 2, n, device=x2.device, dtype=torch.float32)
+    group_sums = (torch.empty if m else torch.zeros)(groups, 2, n, device=x2.device, dtype=torch.float32)
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
             dy2, x2, weight, bias, _or(g2, x2), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx, _or(dr, dx), _or(dg, dx),
-            partial[:, 0], partial[:, 1], m, n, triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2),
-            _stride(m2), _stride(ds2), dx.stride(0), _stride(dr), _stride(dg), partial.stride(0), scale, keep_scale,
+            partial, group_sums, torch.zeros(groups, device=x2.device, dtype=torch.int32), m, n,
+            triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
+            dx.stride(0), _stride(dr), _stride(dg), scale, keep_scale,
             HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
-            HAS_RESIDUAL=dr is not None, BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
+            HAS_RESIDUAL=dr is not None, GROUP=BWD_GROUP, BLOCK_N=block_n,
+            num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
-    sums = partial.sum(0)
+    sums = group_sums.sum(0)
     return dx, dr, sums[0].to(weight.dtype), sums[1].to(bias.dtype), dg
 
 

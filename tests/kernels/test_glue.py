@@ -82,6 +82,24 @@ def test_layer_norm_triton_matches_reference(rows, n, dtype, with_gate, scale, o
         torch.testing.assert_close(a, b, **tol, msg=name)
 
 
+@pytest.mark.parametrize("programs", [16, 37])
+def test_layer_norm_backward_groups_add_every_programs_partial_sums(monkeypatch, programs):
+    """On the GPU the backward runs thousands of programs; the last of each group of ``BWD_GROUP`` to finish adds
+    the group's partial sums. Forced here to 16 (one full group) and 37 (two full groups and a short one, some
+    programs with no rows): the weight and bias gradients match the reference, whichever program adds a group."""
+    from kernels.triton import layer_norm as triton_ln
+
+    monkeypatch.setattr(triton_ln, "_num_programs", lambda m, device: programs)
+    x, weight, bias, gate, upstream = _ln_case(70, 48, torch.float32, True, seed=11)
+    leaves = [x, weight, bias, gate]
+    grads = {}
+    for backend in ("pytorch", "triton"):
+        out = layer_norm(x, weight, bias, 1e-5, gate=gate, backend=backend)
+        grads[backend] = _grads(out, upstream, leaves)
+    for name, a, b in zip(("x", "weight", "bias", "gate"), grads["triton"], grads["pytorch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_layer_norm_three_dimensional_input_and_gate():
     g = torch.Generator().manual_seed(3)
     x, gate = _leaf(g, 4, 3, 10), _leaf(g, 4, 3, 10)
