@@ -1,8 +1,9 @@
 """The glue kernels on the GPU: checked against their PyTorch references, then timed against them.
 
-``kernels.layer_norm`` (``LN(scale * x) * gate`` in the next GEMM's dtype) and
-``kernels.jagged_silu_modulate`` (``silu(h) * scale[row] + shift[row]``) at the ``large`` teacher's
-shapes: 16,384 tokens, d_model 1,024 (the attention norm and the PFFN's hidden width), bf16 inputs as
+``kernels.layer_norm`` (``LN(scale * x) * gate`` in the next GEMM's dtype), ``kernels.residual_layer_norm``
+(``s = x + branch + branch_bias``, ``LN(s)``: a block's output and its projection's bias joining the float32 stream,
+both outputs read on) and ``kernels.jagged_silu_modulate`` (``silu(h) * scale[row] + shift[row]``) at the ``large``
+teacher's shapes: 16,384 tokens, d_model 1,024 (the attention norm and the PFFN's hidden width), bf16 inputs as
 autocast hands them over. Each case runs forward and backward on both backends in one process, reports
 the relative error of the output and of every gradient (fresh random inputs per case), then the median
 time of forward and of forward+backward over repeated runs (``triton.testing.do_bench``), and the
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import jagged_silu_modulate, layer_norm
+from kernels import jagged_silu_modulate, layer_norm, residual_layer_norm
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,6 +67,29 @@ def layer_norm_case(tokens: int, width: int, device: torch.device, seed: int) ->
     bytes_fwd = 3 * tokens * width * 2
     return {"leaves": [x, gate, weight, bias], "names": ["x", "gate", "weight", "bias"], "run": run,
             "upstream": upstream, "bytes_fwd": bytes_fwd, "bytes_bwd": 5 * tokens * width * 2}
+
+
+def residual_case(tokens: int, width: int, device: torch.device, seed: int) -> dict:
+    """Inputs of a block's residual norm: the float32 stream ``x``, the bf16 ``branch`` and its float32 bias; the
+    sum and the bf16 norm both read downstream (one cotangent for the two, concatenated)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, width, device=device, generator=g).requires_grad_(True)
+    branch = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    branch_bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
+    bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
+    upstream = torch.randn(tokens, 2 * width, device=device, generator=g)
+
+    def run(backend: str) -> torch.Tensor:
+        total, normed = residual_layer_norm(
+            x, branch, weight, bias, 1e-5, branch_bias=branch_bias, out_dtype=torch.bfloat16, backend=backend
+        )
+        return torch.cat([total, normed.float()], dim=1)
+
+    # Forward reads x (4 bytes), the branch (2), writes the sum (4) and the norm (2); backward reads the sum, both
+    # gradients (4 + 4 + 2), writes the stream's and the branch's (4 + 2).
+    return {"leaves": [x, branch, branch_bias, weight, bias], "names": ["x", "branch", "branch_bias", "weight", "bias"],
+            "run": run, "upstream": upstream, "bytes_fwd": 12 * tokens * width, "bytes_bwd": 16 * tokens * width}
 
 
 def modulate_case(tokens: int, width: int, device: torch.device, seed: int, rows_count: int) -> dict:
@@ -143,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     rows_count = args.rows or (32 if cuda else 4)
     rows = [
         measure("layer_norm+gate", layer_norm_case(tokens, width, device, seed=1), args.repeats),
+        measure("residual_norm+bias", residual_case(tokens, width, device, seed=3), args.repeats),
         measure("silu_modulate", modulate_case(tokens, width, device, seed=2, rows_count=rows_count), args.repeats),
     ]
     result = {

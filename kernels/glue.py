@@ -127,6 +127,7 @@ def residual_layer_norm(
     bias: torch.Tensor,
     eps: float,
     *,
+    branch_bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     picks: torch.Tensor | None = None,
     backend: str = "auto",
@@ -142,6 +143,9 @@ def residual_layer_norm(
     Args:
         x: ``[..., N]`` the residual stream (float32 under autocast).
         branch: ``[..., N]``, x's shape: the block's output (the autocast dtype); or None: the sum is ``x``.
+        branch_bias: ``[N]`` the bias of the projection that made the branch, left out of its GEMM and added here, in
+            the sum's dtype; its gradient (the column sums of the sum's gradient) comes out of the backward's own
+            partial sums instead of a reduction over the branch's gradient. None: no bias; only with a branch.
         weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
         eps: the LayerNorm epsilon.
         out_dtype: the norm's dtype; None: the sum's.
@@ -151,7 +155,7 @@ def residual_layer_norm(
 
     Returns:
         ``(sum, norm)``: the sum in x's dtype promoted with the branch's, the norm in ``out_dtype``; differentiable in
-        x, branch, weight and bias. With ``picks``, ``(sum, norm, picked[P, N])`` (the sum's dtype).
+        x, branch, branch_bias, weight and bias. With ``picks``, ``(sum, norm, picked[P, N])`` (the sum's dtype).
     """
     _check_norm(x, weight, bias, out_dtype)
     if x.dim() == 0:
@@ -160,6 +164,12 @@ def residual_layer_norm(
         _check_float("branch", branch, x.device)
         if branch.shape != x.shape:
             raise ValueError(f"branch must have x's shape {tuple(x.shape)}, got {tuple(branch.shape)}")
+    if branch_bias is not None:
+        if branch is None:
+            raise ValueError("branch_bias needs a branch")
+        _check_float("branch_bias", branch_bias, x.device)
+        if branch_bias.shape != x.shape[-1:]:
+            raise ValueError(f"branch_bias must be [{x.shape[-1]}], got {tuple(branch_bias.shape)}")
     if picks is not None:
         if not isinstance(picks, torch.Tensor) or picks.dim() != 1 or picks.dtype != torch.int64:
             raise ValueError(f"picks must be int64 [P], got {getattr(picks, 'dtype', type(picks))} "
@@ -167,7 +177,7 @@ def residual_layer_norm(
         if picks.device != x.device:
             raise ValueError(f"picks is on {picks.device} but x is on {x.device}")
     impl = _norm_impl("residual_layer_norm", backend, x)
-    return impl(x, branch, weight, bias, eps, out_dtype=out_dtype, picks=picks)
+    return impl(x, branch, weight, bias, eps, branch_bias=branch_bias, out_dtype=out_dtype, picks=picks)
 
 
 def jagged_silu_modulate(

@@ -25,7 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm, build_layer_norm
+from foundation.model.norms import (
+    apply_layer_norm,
+    apply_residual_layer_norm,
+    build_layer_norm,
+    deferred_bias,
+)
 from foundation.model.profiling import ATTENTION, profile_region
 from foundation.model.teacher_config import BLOCK_INITS, REL_BIASES
 from kernels import jagged_attention, silu_split
@@ -95,8 +100,9 @@ class HSTUBlock(nn.Module):
         query_timestamps: torch.Tensor | None = None,
         *,
         branch: torch.Tensor | None = None,
+        branch_bias: torch.Tensor | None = None,
         defer_residual: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Args:
         x: ``[L, d]`` tokens.
         offsets: ``[B+1]``.
@@ -107,13 +113,16 @@ class HSTUBlock(nn.Module):
         query_timestamps: ``[L]`` int64 or None: the times queries measure the time bias from
             (None: ``timestamps``).
         branch: ``[L, d]`` or None: the previous block's output, not yet added to ``x`` (its
-            ``defer_residual``); added here in the input norm's pass, the block's input being ``x + branch``.
-        defer_residual: return ``(x, out)`` instead of ``x + out`` (``out[L, d]``: the block's output), for the next
-            consumer of the stream to add in its own norm's pass.
+            ``defer_residual``); added here in the input norm's pass, the block's input being
+            ``x + branch + branch_bias``.
+        branch_bias: ``[d]`` or None: the bias of the projection that made ``branch``.
+        defer_residual: return ``(x, out, bias)`` instead of ``x + out + bias`` (``out[L, d]``: the block's output
+            before its projection's bias, ``bias[d]``), for the next consumer of the stream to add in its own norm's
+            pass, which also sums the bias's gradient.
         """
         normed = None
         if branch is not None:
-            x, normed = apply_residual_layer_norm(self.input_norm, x, branch)
+            x, normed = apply_residual_layer_norm(self.input_norm, x, branch, branch_bias=branch_bias)
         u, v, q, k = self.split_uvqk(x, normed)
         with profile_region(ATTENTION):
             attn = jagged_attention(
@@ -139,8 +148,9 @@ class HSTUBlock(nn.Module):
             row_length = torch.repeat_interleave(lengths, lengths, output_size=x.shape[0])
             attn = attn * (max_len / row_length.to(attn.dtype))[:, None, None]
         gated = apply_layer_norm(self.attn_norm, attn.reshape(x.shape[0], -1), scale=scale, gate=u, dropout=self.dropout)
-        out = self.output(gated)
-        return (x, out) if defer_residual else x + out
+        if defer_residual:
+            return x, nn.functional.linear(gated, self.output.weight), deferred_bias(self.output)
+        return x + self.output(gated)
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
-from foundation.model.norms import apply_residual_layer_norm, fused_dropout
+from foundation.model.norms import add_branch, apply_residual_layer_norm, deferred_bias, fused_dropout
 from foundation.model.profiling import ATTENTION, profile_region
 from kernels import jagged_cross_attention, jagged_silu_modulate
 
@@ -43,18 +43,19 @@ class PersonalizedFFN(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rows: torch.Tensor, summary: torch.Tensor, *, branch: torch.Tensor | None = None,
-        defer_residual: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        branch_bias: torch.Tensor | None = None, defer_residual: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``x[L, d]``, ``rows[L]`` (row of each token, sorted), ``summary[B, n, d]`` -> ``[L, d]``.
 
-        ``branch[L, d]``: the previous block's output not yet added to ``x`` (its ``defer_residual``), added here in
-        the norm's pass. ``defer_residual``: return ``(x, branch)`` instead of ``x + branch``, for the next block to
-        add in its input norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream
-        instead of two.
+        ``branch[L, d]``, ``branch_bias[d]``: the previous block's output and its projection's bias, not yet added
+        to ``x`` (its ``defer_residual``), added here in the norm's pass. ``defer_residual``: return
+        ``(x, out, bias)`` instead of ``x + out + bias`` (the down projection's bias apart), for the next block to add
+        in its input norm (:func:`~foundation.model.norms.apply_residual_layer_norm`): one pass over the stream
+        instead of two, and the bias's gradient summed in it.
         """
         gain, shift = self.condition(self.narrow(summary).flatten(1)).chunk(2, dim=-1)
         # The stream passes through the norm's op, whose backward adds its gradient to the norm's in one pass.
-        x, normed = apply_residual_layer_norm(self.norm, x, branch)
+        x, normed = apply_residual_layer_norm(self.norm, x, branch, branch_bias=branch_bias)
         # The up projection's bias and the 1 of 1 + g join in the modulation's kernel, whose backward sums the
         # bias's gradient per row.
         up = nn.functional.linear(normed, self.up.weight)
@@ -62,8 +63,9 @@ class PersonalizedFFN(nn.Module):
             up, gain, shift, rows, bias=self.up.bias, scale_offset=1.0,
             **fused_dropout(self.dropout, up.shape, up.device),
         )
-        branch = self.down(hidden)
-        return (x, branch) if defer_residual else x + branch
+        if defer_residual:
+            return x, nn.functional.linear(hidden, self.down.weight), deferred_bias(self.down)
+        return x + self.down(hidden)
 
 
 @dataclass
@@ -173,13 +175,15 @@ class SequenceSummary(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
-        self, seq: torch.Tensor, layout: SummaryLayout, branch: torch.Tensor | None = None
+        self, seq: torch.Tensor, layout: SummaryLayout, branch: torch.Tensor | None = None,
+        branch_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``seq[L + B*S, d]`` (the combined stream) -> ``(seq, summary[B, C + num_seeds + K, d])``.
 
         The stream comes back through the PMA's norm, whose backward adds the stream's gradient and the picked
-        tokens' (CLS and recent) in its own pass; the next block reads the returned stream. ``branch[L + B*S, d]``:
-        the previous block's output not yet added to ``seq`` (its ``defer_residual``), added in that norm's pass.
+        tokens' (CLS and recent) in its own pass; the next block reads the returned stream. ``branch[L + B*S, d]``,
+        ``branch_bias[d]``: the previous block's output and its projection's bias, not yet added to ``seq`` (its
+        ``defer_residual``), added in that norm's pass.
         """
         fill = self.recent_fill if self.num_recent else seq.new_zeros(0, seq.shape[-1])
         fill = torch.cat([fill.new_zeros(layout.num_cls, seq.shape[-1]), fill])
@@ -187,12 +191,13 @@ class SequenceSummary(nn.Module):
         if self.num_seeds:
             # The picks come out of the norm that hands the stream on: their gradient joins the stream's there.
             rows = layout.picks.clamp(0, max(seq.shape[0] - 1, 0)).flatten()
-            seq, normed, picked = apply_residual_layer_norm(self.kv_norm, seq, branch, picks=rows)
+            seq, normed, picked = apply_residual_layer_norm(self.kv_norm, seq, branch, picks=rows,
+                                                            branch_bias=branch_bias)
             picked = torch.where(layout.pick_valid.unsqueeze(-1), picked.view(*layout.picks.shape, seq.shape[-1]),
                                  fill.to(picked.dtype))
             pooled.append(self.pool_by_seeds(normed, layout))
         else:
-            seq = seq + branch if branch is not None else seq
+            seq = add_branch(seq, branch, branch_bias)
             picked = gather_rows(seq, layout.picks, layout.pick_valid, fill)
         parts = [picked[:, : layout.num_cls], *pooled, picked[:, layout.num_cls :]]
         summary = torch.cat(parts, dim=1)

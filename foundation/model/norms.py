@@ -82,13 +82,32 @@ def fused_dropout(dropout: nn.Dropout | None, shape: torch.Size, device: torch.d
 
 def apply_residual_layer_norm(
     norm: nn.LayerNorm | PlainLayerNorm, x: torch.Tensor, branch: torch.Tensor | None,
-    picks: torch.Tensor | None = None,
+    picks: torch.Tensor | None = None, branch_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``(x + branch, norm(x + branch))`` (``[..., N]``): a block's output joins the residual stream and the stream is
-    normalised for the next block in one pass, the norm in the dtype the next GEMM computes in. ``branch=None``: the
-    stream passes through, and the backward adds its gradient to the norm's in the same pass. ``picks[P]``: also the
-    sum's rows ``picks`` (``[P, N]``), their gradient added in that pass too."""
-    return residual_layer_norm(x, branch, norm.weight, norm.bias, norm.eps, out_dtype=autocast_dtype(x), picks=picks)
+    """``(s, norm(s))`` with ``s = x + branch + branch_bias`` (``[..., N]``): a block's output joins the residual
+    stream and the stream is normalised for the next block in one pass, the norm in the dtype the next GEMM computes
+    in. ``branch=None``: the stream passes through, and the backward adds its gradient to the norm's in the same
+    pass. ``picks[P]``: also the sum's rows ``picks`` (``[P, N]``), their gradient added in that pass too.
+    ``branch_bias[N]``: the bias of the projection that made the branch (its gradient summed in the same pass)."""
+    return residual_layer_norm(
+        x, branch, norm.weight, norm.bias, norm.eps, branch_bias=branch_bias, out_dtype=autocast_dtype(x), picks=picks
+    )
+
+
+def add_branch(x: torch.Tensor, branch: torch.Tensor | None, branch_bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + branch + branch_bias``: a deferred block output joins the stream where no norm follows to add it."""
+    if branch is None:
+        return x
+    x = x + branch
+    return x + branch_bias if branch_bias is not None else x
+
+
+def deferred_bias(linear: nn.Linear) -> torch.Tensor | None:
+    """A copy of ``linear``'s bias for the next norm to add (:func:`apply_residual_layer_norm`), or None.
+
+    A copy, not the parameter: the value outlives this module's forward, after which a sharding wrapper may free the
+    parameter's gathered storage; the copy's gradient still reaches the parameter."""
+    return linear.bias.clone() if linear.bias is not None else None
 
 
 class FusedLayerNorm(nn.LayerNorm):

@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from foundation.model.norms import add_branch
 from kernels import jagged_attention
 
 
@@ -61,8 +62,9 @@ class SASRecBlock(nn.Module):
         query_timestamps: torch.Tensor | None = None,
         *,
         branch: torch.Tensor | None = None,
+        branch_bias: torch.Tensor | None = None,
         defer_residual: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
         """Args:
         x: ``[L, d]`` tokens.
         offsets: ``[B+1]``.
@@ -71,11 +73,12 @@ class SASRecBlock(nn.Module):
         num_targets: ``[B]`` or None: the last tokens of each row that see the history and
             themselves only (CLS and candidate tokens).
         branch: ``[L, d]`` or None: the previous block's output not yet added to ``x``; the block's input is
-            ``x + branch`` (its keys and values read it unnormalised, so the add is not fused here).
-        defer_residual: return ``(hidden, ffn)`` instead of their sum, as :class:`~foundation.model.hstu.HSTUBlock`.
+            ``x + branch + branch_bias`` (its keys and values read it unnormalised, so the add is not fused here).
+        branch_bias: ``[d]`` or None: the bias of the projection that made ``branch``.
+        defer_residual: return ``(hidden, ffn, None)`` instead of their sum, as :class:`~foundation.model.hstu.HSTUBlock`
+            (its FFN's bias stays in its GEMM: a dropout follows it).
         """
-        if branch is not None:
-            x = x + branch
+        x = add_branch(x, branch, branch_bias)
         h, dqk, dv = self.num_heads, self.attn_dim, self.value_dim
         q_in = self.query_norm(x)
         k, v = torch.split(self.key_value(x), [h * dqk, h * dv], -1)
@@ -91,4 +94,4 @@ class SASRecBlock(nn.Module):
         )
         hidden = self.ffn_norm(q_in + self.dropout(self.output(attn.reshape(x.shape[0], -1))))
         ffn = self.dropout(self.ffn_out(self.dropout(torch.relu(self.ffn_in(hidden)))))
-        return (hidden, ffn) if defer_residual else hidden + ffn
+        return (hidden, ffn, None) if defer_residual else hidden + ffn

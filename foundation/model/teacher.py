@@ -42,6 +42,7 @@ from foundation.model.hstu import HSTUBlock
 from foundation.model.interaction import build_interaction_block, build_interaction_stack
 from foundation.model.interformer import PersonalizedFFN, SequenceSummary, SummaryLayout
 from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
+from foundation.model.norms import add_branch
 from foundation.model.outputs import ModelOutput, multitask_bce
 from foundation.model.padding import PaddedBatch, real_tokens_and_rows
 from foundation.model.profiling import EMBEDDINGS, GENERATIVE, profile_region
@@ -272,24 +273,25 @@ class GEMTeacher(nn.Module):
                 batch.offsets, layout, batch.max_len, c.num_cls, c.num_pma_seeds, c.num_recent
             )
         # Each module's output joins the stream in the next one's input norm (one pass over the stream, not two):
-        # ``branch`` is the output not yet added to ``seq``.
-        branch = None
+        # ``branch`` is the output not yet added to ``seq``, ``bias`` its projection's bias (summed in that norm).
+        branch = bias = None
         for layer, block in enumerate(self.blocks):
             if self.cfg.interleave:
-                seq, branch = self.pffns[layer](seq, rows, user_tokens, branch=branch, defer_residual=True)
-            seq, branch = block(
+                seq, branch, bias = self.pffns[layer](
+                    seq, rows, user_tokens, branch=branch, branch_bias=bias, defer_residual=True
+                )
+            seq, branch, bias = block(
                 seq, layout.offsets, max_len, timestamps, num_targets, query_timestamps=query_timestamps, branch=branch,
-                defer_residual=True,
+                branch_bias=bias, defer_residual=True,
             )
             if self.cfg.interleave and layer < len(self.summaries):
-                seq, summary = self.summaries[layer](seq, summary_layout, branch)
-                branch = None
+                seq, summary = self.summaries[layer](seq, summary_layout, branch, bias)
+                branch = bias = None
                 user_tokens = self.user_interactions[layer](torch.cat([user_tokens, summary], dim=1))
         if not self.cfg.interleave and len(self.summaries):
-            seq, summary = self.summaries[0](seq, summary_layout, branch)
-            branch = None
-        if branch is not None:
-            seq = seq + branch
+            seq, summary = self.summaries[0](seq, summary_layout, branch, bias)
+            branch = bias = None
+        seq = add_branch(seq, branch, bias)
         history, suffix = layout.split(seq)
         return Encoded(
             history, suffix, user_tokens, summary, item_features, history_vectors, candidate_vectors,

@@ -452,7 +452,8 @@ def sequence_regions(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
 
 def shard_region_input(cp: ContextParallel, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Entry of a region: a sequence module's whole-batch token arguments -> this rank's, the stream's pending
-    ``branch[L, d]`` (a keyword: the previous block's deferred output) sharded as the stream."""
+    ``branch[L, d]`` (a keyword: the previous block's deferred output) sharded as the stream (its ``branch_bias[d]``
+    as it is)."""
     inner = unwrapped(module)
     if isinstance(inner, HSTUBlock):  # (x[L, d], offsets[B+1], max_len, timestamps[L], num_targets[B])
         x, offsets, *rest = args
@@ -472,9 +473,12 @@ def shard_region_input(cp: ContextParallel, module: nn.Module, args: tuple, kwar
 
 def gather_region_output(cp: ContextParallel, args: tuple, out: torch.Tensor | tuple) -> torch.Tensor | tuple:
     """Exit of a region: this rank's tokens -> the whole batch's; a block that defers its residual returns
-    ``(x, branch)``, both gathered."""
+    ``(x, branch, branch_bias)``: the stream and the branch gathered, the bias (``[d]``, not per token) as it is."""
     plan = cp.plan_for(args[1])
-    return tuple(cp.gather(t, plan) for t in out) if isinstance(out, tuple) else cp.gather(out, plan)
+    if isinstance(out, tuple):
+        x, branch, bias = out
+        return cp.gather(x, plan), cp.gather(branch, plan), bias
+    return cp.gather(out, plan)
 
 
 def check_heads_divide(model: nn.Module, cp: int) -> None:

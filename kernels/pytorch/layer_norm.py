@@ -45,19 +45,24 @@ def residual_layer_norm(
     bias: torch.Tensor,
     eps: float,
     *,
+    branch_bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     picks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``(s, LN(s))`` with ``s = x + branch`` (the residual stream after a block, and its norm for the next one);
-    with ``picks``, also ``s``'s rows ``picks`` (over its leading axes flattened), ``[P, N]``.
+    """``(s, LN(s))`` with ``s = x + branch + branch_bias`` (the residual stream after a block, and its norm for the
+    next one); with ``picks``, also ``s``'s rows ``picks`` (over its leading axes flattened), ``[P, N]``.
 
     Args:
         x: ``[..., N]`` the residual stream.
         branch: ``[..., N]`` (x's shape) the block's output, or None (``s`` is x).
+        branch_bias: ``[N]`` the bias of the branch's projection, added in x's dtype promoted with the branch's; or
+            None. Only with a branch.
         weight, bias: ``[N]``.
         out_dtype: the norm's dtype; None means the sum's (x's dtype promoted with the branch's).
     """
     total = x if branch is None else x + branch
+    if branch_bias is not None:
+        total = total + branch_bias.to(total.dtype)
     normed = layer_norm(total, weight, bias, eps, out_dtype=out_dtype)
     if picks is None:
         return total, normed

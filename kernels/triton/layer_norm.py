@@ -17,6 +17,9 @@ branch (a block's output added to the float32 residual stream, normalised for th
 its own and casts the sum for the branch in another. Here the norm's backward reads the stream's gradient and
 writes both inputs' gradients. Without a branch the stream passes through and only that gradient add is saved.
 Rows of the sum it also returns (``picks``) get their gradient added into the backward's fresh ``dx`` in place.
+A bias of the branch passed here (``branch_bias``, its projection's, left out of the GEMM) is added in the same
+pass, and its gradient, the column sums of the sum's gradient, comes out of the backward's partial sums beside the
+norm's own: no reduction over the ``[M, N]`` branch gradient of its own.
 
 Forward: one program per row, the whole row in one ``BLOCK_N`` tile (``N`` up to 16,384).
 Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
@@ -33,9 +36,10 @@ MAX_N = 16384
 
 @triton.jit
 def _ln_fwd_kernel(
-    x_ptr, r_ptr, w_ptr, b_ptr, g_ptr, m_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
+    x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, g_ptr, m_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
     N, stride_x, stride_r, stride_g, stride_m, stride_s, stride_y, scale, eps, keep_scale,
-    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -43,6 +47,8 @@ def _ln_fwd_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BRANCH_BIAS:
+            x += tl.load(rb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(s_ptr + row * stride_s + cols, x.to(s_ptr.dtype.element_ty), mask=mask)
     x = x * scale
     mean = tl.sum(x, axis=0) / N
@@ -68,10 +74,12 @@ def _ln_bwd_kernel(
     group_ptr, count_ptr, M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx,
     stride_dr, stride_dg, scale, keep_scale,
     HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BRANCH_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """``partial_ptr``: ``[programs, 2, N]`` float32 (each program's dw, db); ``group_ptr``: ``[groups, 2, N]``, each
-    group's sums; ``count_ptr``: ``[groups]`` int32 zeros."""
+    """``partial_ptr``: ``[programs, SUMS, N]`` float32 (each program's dw, db and, with a branch bias, the sum's
+    gradient: the bias's); ``group_ptr``: ``[groups, SUMS, N]``, each group's sums; ``count_ptr``: ``[groups]``
+    int32 zeros."""
+    SUMS: tl.constexpr = 3 if HAS_BRANCH_BIAS else 2
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -79,6 +87,7 @@ def _ln_bwd_kernel(
     b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dbb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # int64 bounds make the loop's row index int64 (an int in the interpreter): no row * stride overflow.
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
@@ -105,8 +114,12 @@ def _ln_bwd_kernel(
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_RESIDUAL:
             tl.store(dr_ptr + row * stride_dr + cols, dx.to(dr_ptr.dtype.element_ty), mask=mask)
-    tl.store(partial_ptr + pid * 2 * N + cols, dw, mask=mask)
-    tl.store(partial_ptr + (pid * 2 + 1) * N + cols, db, mask=mask)
+        if HAS_BRANCH_BIAS:
+            dbb += dx
+    tl.store(partial_ptr + pid * SUMS * N + cols, dw, mask=mask)
+    tl.store(partial_ptr + (pid * SUMS + 1) * N + cols, db, mask=mask)
+    if HAS_BRANCH_BIAS:
+        tl.store(partial_ptr + (pid * SUMS + 2) * N + cols, dbb, mask=mask)
     # Every thread's partial stored before the count is raised (which releases them to the group's last program).
     tl.debug_barrier()
     group = pid // GROUP
@@ -116,11 +129,16 @@ def _ln_bwd_kernel(
     if arrived == size - 1:
         dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dbb = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for p in range(first_pid, first_pid + size):  # program order, whichever finished last
-            dw += tl.load(partial_ptr + p * 2 * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-            db += tl.load(partial_ptr + (p * 2 + 1) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(group_ptr + group * 2 * N + cols, dw, mask=mask)
-        tl.store(group_ptr + (group * 2 + 1) * N + cols, db, mask=mask)
+            dw += tl.load(partial_ptr + p * SUMS * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            db += tl.load(partial_ptr + (p * SUMS + 1) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BRANCH_BIAS:
+                dbb += tl.load(partial_ptr + (p * SUMS + 2) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(group_ptr + group * SUMS * N + cols, dw, mask=mask)
+        tl.store(group_ptr + (group * SUMS + 1) * N + cols, db, mask=mask)
+        if HAS_BRANCH_BIAS:
+            tl.store(group_ptr + (group * SUMS + 2) * N + cols, dbb, mask=mask)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -144,9 +162,9 @@ def _num_programs(m: int, device: torch.device) -> int:
     return max(1, min(m, 4))
 
 
-def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(None, 1.0)):
-    """``(sum or x, gate, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual`` when there is one.
-    ``dropout``: ``(mask [M, N] uint8 or None, 1 / (1 - p))``."""
+def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(None, 1.0), residual_bias=None):
+    """``(sum or x, gate, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual (+ residual_bias)``
+    when there is a residual. ``dropout``: ``(mask [M, N] uint8 or None, 1 / (1 - p))``."""
     n = x.shape[-1]
     x2 = _rows_2d(x, n)
     g2 = _rows_2d(gate, n) if gate is not None else None
@@ -160,18 +178,20 @@ def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(No
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_fwd_kernel[(m,)](
-            x2, _or(r2, x2), weight, bias, _or(g2, x2), _or(m2, x2), _or(s2, y), y, mean, rstd,
-            n, x2.stride(0), _stride(r2), _stride(g2), _stride(m2), _stride(s2), y.stride(0), scale, eps, keep_scale,
-            HAS_RESIDUAL=r2 is not None, HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, BLOCK_N=block_n,
-            num_warps=_num_warps(block_n),
+            x2, _or(r2, x2), _or(residual_bias, weight), weight, bias, _or(g2, x2), _or(m2, x2), _or(s2, y), y, mean,
+            rstd, n, x2.stride(0), _stride(r2), _stride(g2), _stride(m2), _stride(s2), y.stride(0), scale, eps,
+            keep_scale, HAS_RESIDUAL=r2 is not None, HAS_BRANCH_BIAS=r2 is not None and residual_bias is not None,
+            HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )
     return (s2 if s2 is not None else x2), g2, y, mean, rstd
 
 
 def _backward(
-    dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, dropout=(None, 1.0), ds=None, residual_dtype=None
+    dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, dropout=(None, 1.0), ds=None, residual_dtype=None,
+    residual_bias_dtype=None,
 ):
-    """``(dx, dresidual, dweight, dbias, dgate)`` of ``[M, N]`` inputs (``dresidual``: with ``residual_dtype``)."""
+    """``(dx, dresidual, dweight, dbias, dgate, dresidual_bias)`` of ``[M, N]`` inputs (``dresidual``: with
+    ``residual_dtype``; ``dresidual_bias``, the column sums of the sum's gradient: with ``residual_bias_dtype``)."""
     m, n = x2.shape
     dy2 = _rows_2d(dy, n)
     ds2 = _rows_2d(ds, n) if ds is not None else None
@@ -181,10 +201,11 @@ def _backward(
     dg = torch.empty(m, n, device=x2.device, dtype=gate_dtype) if g2 is not None else None
     programs = _num_programs(m, x2.device)
     groups = triton.cdiv(programs, BWD_GROUP)
-    # Each program's partial sums of dw and db lie side by side, then each group's (one reduction sums both);
-    # only an empty input launches none.
-    partial = torch.empty(programs, 2, n, device=x2.device, dtype=torch.float32)
-    group_sums = (torch.empty if m else torch.zeros)(groups, 2, n, device=x2.device, dtype=torch.float32)
+    # Each program's partial sums of dw, db (and the residual bias's gradient) lie side by side, then each group's
+    # (one reduction sums all); only an empty input launches none.
+    sums = 2 if residual_bias_dtype is None else 3
+    partial = torch.empty(programs, sums, n, device=x2.device, dtype=torch.float32)
+    group_sums = (torch.empty if m else torch.zeros)(groups, sums, n, device=x2.device, dtype=torch.float32)
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
@@ -193,11 +214,12 @@ def _backward(
             triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
             dx.stride(0), _stride(dr), _stride(dg), scale, keep_scale,
             HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
-            HAS_RESIDUAL=dr is not None, GROUP=BWD_GROUP, BLOCK_N=block_n,
+            HAS_RESIDUAL=dr is not None, HAS_BRANCH_BIAS=sums == 3, GROUP=BWD_GROUP, BLOCK_N=block_n,
             num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
-    sums = group_sums.sum(0)
-    return dx, dr, sums[0].to(weight.dtype), sums[1].to(bias.dtype), dg
+    totals = group_sums.sum(0)
+    dresidual_bias = totals[2].to(residual_bias_dtype) if sums == 3 else None
+    return dx, dr, totals[0].to(weight.dtype), totals[1].to(bias.dtype), dg, dresidual_bias
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -229,7 +251,7 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, g2, mean, rstd, m2 = ctx.saved_tensors
-        dx, _, grad_w, grad_b, dg = _backward(
+        dx, _, grad_w, grad_b, dg, _ = _backward(
             dy, x2, weight, bias, g2, mean, rstd, ctx.scale, gate_dtype=ctx.gate_dtype, dropout=(m2, ctx.keep_scale)
         )
         grad_g = dg.view(ctx.shape) if dg is not None else None
@@ -238,10 +260,11 @@ class _LayerNormFn(torch.autograd.Function):
 
 class _ResidualLayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, branch, weight, bias, eps, out_dtype, picks):
-        s2, _, y, mean, rstd = _forward(x, weight, bias, None, branch, 1.0, eps, out_dtype)
+    def forward(ctx, x, branch, branch_bias, weight, bias, eps, out_dtype, picks):
+        s2, _, y, mean, rstd = _forward(x, weight, bias, None, branch, 1.0, eps, out_dtype, residual_bias=branch_bias)
         ctx.save_for_backward(s2, weight, bias, mean, rstd, picks)
         ctx.shape, ctx.dtypes = x.shape, (x.dtype, branch.dtype if branch is not None else None)
+        ctx.bias_dtype = branch_bias.dtype if branch_bias is not None else None
         ctx.set_materialize_grads(False)
         # Without a branch the stream passes through (a view of x): its gradient still arrives here.
         stream = x.view_as(x) if branch is None else s2.view(x.shape)
@@ -253,24 +276,33 @@ class _ResidualLayerNormFn(torch.autograd.Function):
     def backward(ctx, ds, dy, dpicked=None):
         s2, weight, bias, mean, rstd, picks = ctx.saved_tensors
         x_dtype, branch_dtype = ctx.dtypes
-        if dy is None and dpicked is None:  # the norm's output unused: the sum's gradient is both inputs'
-            return ds.to(x_dtype), ds.to(branch_dtype) if branch_dtype else None, None, None, None, None, None
+        bias_dtype = ctx.bias_dtype
+        if dy is None and dpicked is None:  # the norm's output unused: the sum's gradient is every input's
+            dbb = ds.reshape(-1, ds.shape[-1]).sum(0, dtype=torch.float32).to(bias_dtype) if bias_dtype else None
+            dr = ds.to(branch_dtype) if branch_dtype else None
+            return ds.to(x_dtype), dr, dbb, None, None, None, None, None
+        dbb = None
         if dy is None:
             dx = (ds.to(x_dtype, copy=True, memory_format=torch.contiguous_format) if ds is not None
                   else s2.new_zeros(ctx.shape, dtype=x_dtype))
             dr = dx.to(branch_dtype, copy=True) if branch_dtype else None
             grad_w = grad_b = None
         else:
-            dx, dr, grad_w, grad_b, _ = _backward(
-                dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype
+            dx, dr, grad_w, grad_b, _, dbb = _backward(
+                dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype,
+                residual_bias_dtype=bias_dtype,
             )
+        rows = dx.view(-1, dx.shape[-1])
         if dpicked is not None:
-            rows = dx.view(-1, dx.shape[-1])
             rows.index_add_(0, picks, dpicked.to(dx.dtype))
             if dr is not None:  # the picked rows' sums, rounded once into the branch's dtype (as autograd would)
                 dr.view(-1, dr.shape[-1]).index_copy_(0, picks, rows.index_select(0, picks).to(dr.dtype))
+            if dbb is not None:
+                dbb = (dbb.float() + dpicked.sum(0, dtype=torch.float32)).to(bias_dtype)
+        if bias_dtype and dbb is None:
+            dbb = rows.sum(0, dtype=torch.float32).to(bias_dtype)
         dr = dr.view(ctx.shape) if dr is not None else None
-        return dx.to(x_dtype).view(ctx.shape), dr, grad_w, grad_b, None, None, None
+        return dx.to(x_dtype).view(ctx.shape), dr, dbb, grad_w, grad_b, None, None, None
 
 
 def _num_warps(block_n: int) -> int:
@@ -283,7 +315,7 @@ def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None, dr
     return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype, dropout_mask, float(dropout_p))
 
 
-def residual_layer_norm(x, branch, weight, bias, eps, *, out_dtype=None, picks=None):
+def residual_layer_norm(x, branch, weight, bias, eps, *, branch_bias=None, out_dtype=None, picks=None):
     """Same contract as :func:`kernels.pytorch.layer_norm.residual_layer_norm` (``N <= MAX_N``)."""
     total = torch.promote_types(x.dtype, branch.dtype) if branch is not None else x.dtype
-    return _ResidualLayerNormFn.apply(x, branch, weight, bias, float(eps), out_dtype or total, picks)
+    return _ResidualLayerNormFn.apply(x, branch, branch_bias, weight, bias, float(eps), out_dtype or total, picks)
