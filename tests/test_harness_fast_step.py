@@ -88,8 +88,10 @@ def test_bucketed_batches_train_through_the_static_step_as_the_plain_step(datase
     assert lines == ["cuda graphs off: the model is on cpu; eager steps"]
     torch.testing.assert_close(torch.tensor(bucketed.losses), torch.tensor(plain.losses), rtol=0, atol=1e-5)
     assert bucketed.losses[-1] < bucketed.losses[0]
+    # Padded and plain batches sum in other orders; Adam turns those roundings into whole steps where a gradient is
+    # near zero (the domain experts' weights differ by up to 1.4e-5 over seeds 0-3).
     for name, value in module.model.state_dict().items():
-        torch.testing.assert_close(value, plain_module.model.state_dict()[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(value, plain_module.model.state_dict()[name], rtol=1e-4, atol=5e-5, msg=name)
 
 
 def test_cast_once_under_bf16_trains_as_autocast(dataset, tmp_path):
