@@ -362,3 +362,43 @@ def _successor_world(batch, num_items: int):
     return dataclasses.replace(
         batch, history={**batch.history, "item_ids": items}, candidate=(start + lengths) % num_items
     )
+
+
+def test_bf16_residual_stream_matches_the_float32_one_and_trains():
+    """``stream_dtype="autocast"`` under bf16 autocast: the blocks receive a bf16 stream (float32 without autocast),
+    the loss and every gradient stay within bf16 rounding of the float32 stream's, and Adam steps on it lower the
+    loss as on the float32 stream. (The Triton norms on a bf16 stream: tests/kernels/test_glue_fused.py.)"""
+    from foundation.model.hstu import HSTUBlock
+
+    batch = make_batch(CTR_SCHEMA, LENGTHS, seed=4)
+    runs = {}
+    for stream in ("float32", "autocast"):
+        model = build(tiny_config(dropout=0.0, generative=True, stream_dtype=stream), CTR_SCHEMA)
+        seen: list[torch.dtype] = []
+        for module in model.modules():
+            if isinstance(module, HSTUBlock):
+                module.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0].dtype))
+        with torch.no_grad():
+            model.loss(batch, model(batch))
+        assert set(seen) == {torch.float32}  # no autocast: the stream stays float32 either way
+        seen.clear()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(12):
+            torch.manual_seed(step)  # the same negatives for both streams
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.loss(batch, model(batch))["loss"]
+            optimizer.zero_grad()
+            loss.backward()
+            if step == 0:
+                grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            optimizer.step()
+            losses.append(float(loss))
+        runs[stream] = (set(seen), losses, grads)
+    assert runs["float32"][0] == {torch.float32} and runs["autocast"][0] == {torch.bfloat16}
+    (_, losses32, grads32), (_, losses16, grads16) = runs["float32"], runs["autocast"]
+    assert losses16[0] == pytest.approx(losses32[0], rel=2e-2)
+    assert grads16.keys() == grads32.keys()
+    for name, g in grads32.items():
+        torch.testing.assert_close(grads16[name], g, rtol=0, atol=0.1 * float(g.abs().max()) + 1e-6, msg=name)
+    assert losses16[-1] < 0.8 * losses16[0] and losses32[-1] < 0.8 * losses32[0]

@@ -42,7 +42,7 @@ from foundation.model.hstu import HSTUBlock
 from foundation.model.interaction import build_interaction_block, build_interaction_stack
 from foundation.model.interformer import PersonalizedFFN, SequenceSummary, SummaryLayout
 from foundation.model.jagged import SuffixLayout, gather_rows, token_rows
-from foundation.model.norms import add_branch
+from foundation.model.norms import add_branch, autocast_dtype
 from foundation.model.outputs import ModelOutput, multitask_bce
 from foundation.model.padding import PaddedBatch, real_tokens_and_rows
 from foundation.model.profiling import EMBEDDINGS, GENERATIVE, profile_region
@@ -257,6 +257,8 @@ class GEMTeacher(nn.Module):
             )
         layout = SuffixLayout.build(batch.offsets, num_tokens, self.num_suffix)
         seq = layout.combine(history_tokens, self.build_suffix(batch, candidate_tokens))
+        if self.cfg.stream_dtype == "autocast" and (dtype := autocast_dtype(seq)) is not None:
+            seq = seq.to(dtype)
         # CLS and candidate tokens happen "now": at the impression time.
         timestamps = layout.combine(
             batch.history["timestamps"], batch.timestamp[:, None].expand(b, self.num_suffix)

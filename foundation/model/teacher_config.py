@@ -21,6 +21,7 @@ BLOCK_NORMS = ("affine", "plain")
 BLOCK_INITS = ("torch", "reference")
 REL_BIASES = ("head", "shared")
 EMBEDDING_INITS = ("scaled", "reference")
+STREAM_DTYPES = ("float32", "autocast")
 
 
 @dataclass
@@ -58,6 +59,10 @@ class TeacherConfig:
         embedding_init: ``scaled`` (item table N(0, 0.02), in effect untruncated; position table
             N(0, 1/d)) or ``reference`` (item table N(0, 0.02) truncated at 2 std; position
             table Xavier-normal, std ``sqrt(2 / (max_len + d))``).
+        stream_dtype: the residual stream's dtype through the sequence arch: ``float32``, or ``autocast`` (the
+            autocast dtype while autocast is on, e.g. bf16 as torchtitan's and Megatron's default residuals: the
+            residual norms, which read and write the stream and its gradient, move ~35% fewer bytes; every norm
+            still computes in float32).
         ffn_hidden: hidden width of the SASRec block's FFN (0: ``d_model``).
         dropout: on input embeddings, inside blocks, and in MLPs.
         abs_pos_emb: add a learned absolute position embedding to history tokens (HSTU's ML-1M
@@ -128,6 +133,7 @@ class TeacherConfig:
     uvqk_bias: bool = True
     rel_bias: str = "head"
     embedding_init: str = "scaled"
+    stream_dtype: str = "float32"
     ffn_hidden: int = 0
     dropout: float = 0.1
     abs_pos_emb: bool = False
@@ -211,6 +217,7 @@ class TeacherConfig:
             ("block_init", BLOCK_INITS),
             ("rel_bias", REL_BIASES),
             ("embedding_init", EMBEDDING_INITS),
+            ("stream_dtype", STREAM_DTYPES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"teacher.{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -49,7 +49,9 @@ def _ln_fwd_kernel(
         x += tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_BRANCH_BIAS:
             x += tl.load(rb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(s_ptr + row * stride_s + cols, x.to(s_ptr.dtype.element_ty), mask=mask)
+        stored = x.to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + cols, stored, mask=mask)
+        x = stored.to(tl.float32)  # the norm of the sum as stored, which the backward reads (a bf16 stream rounds)
     x = x * scale
     mean = tl.sum(x, axis=0) / N
     centred = tl.where(mask, x - mean, 0.0)

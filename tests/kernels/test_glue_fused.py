@@ -254,6 +254,34 @@ def test_residual_layer_norm_rejects_bad_input():
         residual_layer_norm(x, x, torch.ones(8), torch.zeros(8), 1e-5, branch_bias=torch.zeros(3, 8))
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_residual_layer_norm_on_a_bf16_stream_matches_reference(with_bias):
+    """A bf16 residual stream (``stream_dtype="autocast"``): the sum, the norm and every gradient against the
+    reference, within bf16 rounding."""
+    results = {}
+    for backend in ("pytorch", "triton"):
+        x, branch, weight, bias, g = _residual_case(37, 64, torch.bfloat16, seed=9)
+        x = x.to(torch.bfloat16).detach().requires_grad_()
+        branch_bias = (0.5 * torch.randn(64, generator=g)).to(torch.bfloat16).requires_grad_() if with_bias else None
+        total, normed = residual_layer_norm(x * 1, branch, weight, bias, 1e-5, branch_bias=branch_bias,
+                                            out_dtype=torch.bfloat16, backend=backend)
+        loss = (total.float() * torch.randn(37, 64, generator=g)).sum() + (normed.float() * torch.randn(37, 64, generator=g)).sum()
+        loss.backward()
+        leaves = (x, branch, weight, bias) + ((branch_bias,) if with_bias else ())
+        results[backend] = (total.detach(), normed.detach(), [t.grad for t in leaves])
+    (ref_sum, ref_norm, ref_grads), (total, normed, grads) = results["pytorch"], results["triton"]
+    assert total.dtype == torch.bfloat16 and normed.dtype == torch.bfloat16
+    # One rounding of the float32 sum in the kernel (the interpreter's conversion truncates where the GPU's rounds
+    # to nearest); the reference rounds x + branch, and again after adding the bias.
+    torch.testing.assert_close(total, ref_sum, **_tol(torch.bfloat16))
+    torch.testing.assert_close(normed, ref_norm, **_tol(torch.bfloat16))
+    names = ("x", "branch", "weight", "bias", "branch_bias")[: len(grads)]
+    for name, a, b in zip(names, grads, ref_grads, strict=True):
+        assert a.dtype == b.dtype, name
+        # Sums over rows of terms that differ by a bf16 rounding of the sum: bounded by the tensor's scale.
+        torch.testing.assert_close(a, b, rtol=0, atol=1.6e-2 * float(b.abs().max()), msg=name)
+
+
 def test_residual_layer_norm_reference_adds_the_branch_bias():
     x, branch, weight, bias, g = _residual_case(4, 9, torch.float32, 0)
     branch_bias = torch.randn(9, generator=g)
