@@ -364,7 +364,8 @@ def _successor_world(batch, num_items: int):
     )
 
 
-def test_bf16_residual_stream_matches_the_float32_one_and_trains():
+@pytest.mark.parametrize("changes", [{}, {"num_pma_seeds": 0}], ids=["pma", "no_pma"])
+def test_bf16_residual_stream_matches_the_float32_one_and_trains(changes):
     """``stream_dtype="autocast"`` under bf16 autocast: the blocks receive a bf16 stream (float32 without autocast),
     the loss and every gradient stay within bf16 rounding of the float32 stream's, and Adam steps on it lower the
     loss as on the float32 stream. (The Triton norms on a bf16 stream: tests/kernels/test_glue_fused.py.)"""
@@ -373,7 +374,7 @@ def test_bf16_residual_stream_matches_the_float32_one_and_trains():
     batch = make_batch(CTR_SCHEMA, LENGTHS, seed=4)
     runs = {}
     for stream in ("float32", "autocast"):
-        model = build(tiny_config(dropout=0.0, generative=True, stream_dtype=stream), CTR_SCHEMA)
+        model = build(tiny_config(dropout=0.0, generative=True, stream_dtype=stream, **changes), CTR_SCHEMA)
         seen: list[torch.dtype] = []
         for module in model.modules():
             if isinstance(module, HSTUBlock):

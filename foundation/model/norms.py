@@ -95,11 +95,12 @@ def apply_residual_layer_norm(
 
 
 def add_branch(x: torch.Tensor, branch: torch.Tensor | None, branch_bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + branch + branch_bias``: a deferred block output joins the stream where no norm follows to add it."""
+    """``x + branch + branch_bias``: a deferred block output joins the stream where no norm follows to add it, in the
+    dtype of ``x + branch`` (as :func:`apply_residual_layer_norm` adds it: a bf16 stream stays bf16)."""
     if branch is None:
         return x
     x = x + branch
-    return x + branch_bias if branch_bias is not None else x
+    return x + branch_bias.to(x.dtype) if branch_bias is not None else x
 
 
 def deferred_bias(linear: nn.Linear) -> torch.Tensor | None:
