@@ -60,9 +60,9 @@ class TeacherConfig:
             N(0, 1/d)) or ``reference`` (item table N(0, 0.02) truncated at 2 std; position
             table Xavier-normal, std ``sqrt(2 / (max_len + d))``).
         stream_dtype: the residual stream's dtype through the sequence arch: ``float32``, or ``autocast`` (the
-            autocast dtype while autocast is on, e.g. bf16 as torchtitan's and Megatron's default residuals: the
-            residual norms, which read and write the stream and its gradient, move ~35% fewer bytes; every norm
-            still computes in float32).
+            autocast dtype while autocast is on, e.g. bf16 as torchtitan's and Megatron's default residuals, so the
+            residual norms, which read and write the stream and its gradient, move fewer bytes; every norm still
+            computes in float32).
         ffn_hidden: hidden width of the SASRec block's FFN (0: ``d_model``).
         dropout: on input embeddings, inside blocks, and in MLPs.
         abs_pos_emb: add a learned absolute position embedding to history tokens (HSTU's ML-1M
