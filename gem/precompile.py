@@ -122,19 +122,21 @@ def launch_cast_copies(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def launch_master_adamw(device: torch.device, cast_dtype: torch.dtype | None) -> None:
-    """The launches of a :class:`~foundation.model.precision.MasterAdamW` step on one-element stand-ins: float32
+    """The launches of a :class:`~foundation.model.precision.MasterAdamW` step on ``[2, 2]`` stand-ins: float32
     gradients of parameters without a copy and, with ``cast_dtype`` copies, float32 (the first step's, before the
-    copies exist in the forward) and ``cast_dtype`` gradients (the held ones) into those copies."""
+    copies exist in the forward) and ``cast_dtype`` gradients (the held ones) into those copies; each with a
+    gradient laid out as its parameter and with a transposed one (a launch of its own)."""
 
-    def one(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.zeros(1, dtype=dtype, device=device)
+    def two(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(2, 2, dtype=dtype, device=device)
 
     variants = [(torch.float32, None)]
     if cast_dtype is not None:
         variants += [(torch.float32, cast_dtype), (cast_dtype, cast_dtype)]
     for grad_dtype, copy_dtype in variants:
-        multi_adamw([one()], [one(grad_dtype)], [one()], [one()], copies=[one(copy_dtype) if copy_dtype else None],
-                    lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1)
+        for grad in (two(grad_dtype), two(grad_dtype).t()):
+            multi_adamw([two()], [grad], [two()], [two()], copies=[two(copy_dtype) if copy_dtype else None],
+                        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1)
 
 
 @dataclass

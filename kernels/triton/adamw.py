@@ -7,9 +7,10 @@ copy of the updated weights into bf16. Here one pass reads the parameter, its gr
 gradient in any layout, e.g. one that reached its weight through a transpose) and both moments, and writes the
 parameter, the moments and the copy: per element 12 bytes of memory traffic fewer than the three passes.
 
-The tables are :mod:`kernels.triton.multi_copy`'s: per program its tensor, first element and whether its block
-is whole and aligned (16-byte accesses without masks); per tensor the addresses of the parameter, gradient,
-moments and copy, the element count and the gradient's layout. They are cached per set of addresses; the step's
+The tables are :mod:`kernels.triton.multi_copy`'s: per program its tensor and first element (the third column,
+multi_copy's whole-block flag, is not read); per tensor the addresses of the parameter, gradient, moments and copy,
+the element count and the gradient's layout. Gradients laid out otherwise than their parameters go in a launch of
+their own, so the common launch has no index arithmetic for them. They are cached per set of addresses; the step's
 scalars (learning rate, bias corrections) are arguments, so a new step reuses them. Works on triton 3.6 and 3.9,
 and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
@@ -26,7 +27,8 @@ import triton.language as tl
 from kernels.pytorch.adamw import multi_adamw as reference_multi_adamw
 from kernels.triton.multi_copy import bf16_nearest_even, block_programs, cached_tables, read_layout
 
-BLOCK = 2048
+BLOCK = 1024
+NUM_WARPS = 4
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
 # Per tensor: param, grad, exp_avg, exp_avg_sq, copy (0: none), numel, grad cols, grad stride 0, grad stride 1.
 
@@ -53,49 +55,33 @@ def _store_copy(c_ptr, offs, p, C0, mask=None):
 
 @triton.jit
 def _adamw_kernel(TENSORS, PROGRAMS, P0, G0, C0, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
-                  bias_sqrt, eps, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+                  bias_sqrt, eps, HAS_COPY: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+    # One masked path for every block: a second, unmasked path for whole blocks doubled the kernel's registers
+    # and cost more in occupancy than its wider accesses saved (docs/benchmarks.md, session 32).
     pid = tl.program_id(0)
     t = tl.load(PROGRAMS + 3 * pid)
     start = tl.load(PROGRAMS + 3 * pid + 1)
-    whole = tl.load(PROGRAMS + 3 * pid + 2)
     row = TENSORS + 9 * t
     p_ptr = tl.load(row).to(P0.dtype)
     g_ptr = tl.load(row + 1).to(G0.dtype)
     m_ptr = tl.load(row + 2).to(P0.dtype)
     v_ptr = tl.load(row + 3).to(P0.dtype)
-    c_ptr = tl.load(row + 4).to(C0.dtype)
-    block = tl.arange(0, BLOCK)
-    if whole != 0:
-        # Told what the host checked, the compiler moves 16 bytes per access.
-        base = tl.multiple_of(start, BLOCK)
-        p_ptr = tl.multiple_of(p_ptr, 16) + base
-        g_ptr = tl.multiple_of(g_ptr, 16) + base
-        m_ptr = tl.multiple_of(m_ptr, 16) + base
-        v_ptr = tl.multiple_of(v_ptr, 16) + base
-        p, m, v = _update(tl.load(p_ptr + block), tl.load(g_ptr + block), tl.load(m_ptr + block),
-                          tl.load(v_ptr + block), decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
-                          bias_sqrt, eps)
-        tl.store(p_ptr + block, p)
-        tl.store(m_ptr + block, m)
-        tl.store(v_ptr + block, v)
-        if HAS_COPY:
-            _store_copy(tl.multiple_of(c_ptr, 16) + base, block, p, C0)
-    else:
-        offs = start + block.to(tl.int64)
-        mask = offs < tl.load(row + 5)
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < tl.load(row + 5)
+    if STRIDED:  # a 2-D gradient laid out otherwise than its parameter: element i at (i // cols, i % cols)
         cols = tl.load(row + 6)
-        if cols == 0:  # laid out as its parameter: element i of both
-            g = tl.load(g_ptr + offs, mask=mask)
-        else:
-            g = tl.load(g_ptr + (offs // cols) * tl.load(row + 7) + (offs % cols) * tl.load(row + 8), mask=mask)
-        p, m, v = _update(tl.load(p_ptr + offs, mask=mask), g, tl.load(m_ptr + offs, mask=mask),
-                          tl.load(v_ptr + offs, mask=mask), decay, one_minus_beta1, beta2, one_minus_beta2,
-                          step_size, bias_sqrt, eps)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        if HAS_COPY:
-            _store_copy(c_ptr, offs, p, C0, mask)
+        g = tl.load(g_ptr + (offs // cols) * tl.load(row + 7) + (offs % cols) * tl.load(row + 8), mask=mask)
+    else:
+        g = tl.load(g_ptr + offs, mask=mask)
+    p, m, v = _update(tl.load(p_ptr + offs, mask=mask), g, tl.load(m_ptr + offs, mask=mask),
+                      tl.load(v_ptr + offs, mask=mask), decay, one_minus_beta1, beta2, one_minus_beta2,
+                      step_size, bias_sqrt, eps)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if HAS_COPY:
+        c_ptr = tl.load(row + 4).to(C0.dtype)
+        _store_copy(c_ptr, offs, p, C0, mask)
 
 
 def _tables(group: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -106,8 +92,7 @@ def _tables(group: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, int]:
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.tensor([list(k) for k in key], dtype=torch.int64)
-        aligned = (rows[:, 6] == 0) & (rows[:, :5] % 16 == 0).all(1)
-        return rows, block_programs(rows[:, 5], aligned, BLOCK)
+        return rows, block_programs(rows[:, 5], torch.zeros(len(rows), dtype=torch.bool), BLOCK)
 
     return cached_tables(_TABLES, key, build, group[0][0].device)
 
@@ -124,15 +109,16 @@ def multi_adamw(params, grads, exp_avgs, exp_avg_sqs, copies, *, lr, betas, eps,
         if layout is None or not (m.is_contiguous() and v.is_contiguous() and (c is None or c.is_contiguous())):
             rest.append((p, g, m, v, c))
             continue
-        groups.setdefault((g.dtype, None if c is None else c.dtype), []).append((p, g, m, v, c, layout))
+        strided = layout[0] != 0
+        groups.setdefault((g.dtype, None if c is None else c.dtype, strided), []).append((p, g, m, v, c, layout))
     if rest:
         reference_multi_adamw(*map(list, zip(*rest, strict=True)), lr=lr, betas=betas, eps=eps,
                               weight_decay=weight_decay, step=step)
-    for group in groups.values():
+    for (_, _, strided), group in groups.items():
         tensors, programs, count = _tables(group)
         p0, g0, _, _, c0, _ = group[0]
         _adamw_kernel[(count,)](
             tensors, programs, p0, g0, c0 if c0 is not None else p0, 1.0 - lr * weight_decay, 1.0 - beta1, beta2,
             1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, HAS_COPY=c0 is not None,
-            BLOCK=BLOCK, num_warps=8,
+            STRIDED=strided, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
