@@ -56,8 +56,8 @@ def _store_copy(c_ptr, offs, p, C0, mask=None):
 @triton.jit
 def _adamw_kernel(TENSORS, PROGRAMS, P0, G0, C0, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
                   bias_sqrt, eps, HAS_COPY: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
-    # One masked path for every block: a second, unmasked path for whole blocks doubled the kernel's registers
-    # and cost more in occupancy than its wider accesses saved (docs/benchmarks.md, session 32).
+    # One masked path for every block, in small programs: a second (unmasked) path and larger blocks hold more
+    # registers, so fewer programs per SM are in flight to cover the memory's latency (docs/benchmarks.md, session 32).
     pid = tl.program_id(0)
     t = tl.load(PROGRAMS + 3 * pid)
     start = tl.load(PROGRAMS + 3 * pid + 1)
