@@ -12,8 +12,9 @@ field               environment variable          meaning
 ``backend``         ``GEM_ATTENTION_BACKEND``     what ``backend="auto"`` calls run: ``auto`` (Triton on
                                                   CUDA, the reference elsewhere), ``pytorch``, ``triton``
 ``deterministic``   ``GEM_KERNELS_DETERMINISTIC`` bitwise-repeatable Triton backward: bias-table gradients
-                                                  by per-program rows, no float atomics, no autotuning
-                                                  (``0``/``1``)
+                                                  by per-program rows, LayerNorm parameter gradients by
+                                                  groups summed in order, no float atomics, no
+                                                  autotuning (``0``/``1``)
 ``tma``             ``GEM_KERNELS_TMA``           TMA descriptor loads; None: on CUDA (Hopper+), off in
                                                   the interpreter (``0``/``1``)
 ``autotune``        ``GEM_KERNELS_AUTOTUNE``      autotune Triton configs; off: each kernel's first

@@ -8,8 +8,10 @@ output, multiplies it by the gate into another float32 tensor and casts that to 
 GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. The backward reads
 ``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
 per-program float32 partial sums over a block of rows. The last program of each group of ``GROUP`` to finish
-(an atomic count) adds its group's partials in program order, so what is left for the end is one small
-reduction over groups instead of one over every program's partials (deterministic either way).
+(an atomic count) adds its group's partials in program order, then adds that into the totals with float atomics:
+no reduction over groups is left for a kernel of its own (one per call; at the teacher's shapes it took longer
+than the atomics). With ``GEM_KERNELS_DETERMINISTIC=1`` each group's sum is stored instead and the host sums the
+groups in order, so the gradients do not depend on which group finished first.
 
 ``residual_layer_norm``: ``s = x + branch``, ``y = LN(s)``, both written by one pass that reads ``x`` and the
 branch (a block's output added to the float32 residual stream, normalised for the next block). Eager writes
@@ -30,6 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels import settings
 
 MAX_N = 16384
 
@@ -76,11 +80,11 @@ def _ln_bwd_kernel(
     group_ptr, count_ptr, M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx,
     stride_dr, stride_dg, scale, keep_scale,
     HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_BRANCH_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BRANCH_BIAS: tl.constexpr, ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``partial_ptr``: ``[programs, SUMS, N]`` float32 (each program's dw, db and, with a branch bias, the sum's
-    gradient: the bias's); ``group_ptr``: ``[groups, SUMS, N]``, each group's sums; ``count_ptr``: ``[groups]``
-    int32 zeros."""
+    gradient: the bias's); ``group_ptr``: ``ATOMIC_TOTALS``: ``[SUMS, N]`` float32 zeros, the totals; else
+    ``[groups, SUMS, N]``, each group's sums; ``count_ptr``: ``[groups]`` int32 zeros."""
     SUMS: tl.constexpr = 3 if HAS_BRANCH_BIAS else 2
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -137,10 +141,16 @@ def _ln_bwd_kernel(
             db += tl.load(partial_ptr + (p * SUMS + 1) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BRANCH_BIAS:
                 dbb += tl.load(partial_ptr + (p * SUMS + 2) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(group_ptr + group * SUMS * N + cols, dw, mask=mask)
-        tl.store(group_ptr + (group * SUMS + 1) * N + cols, db, mask=mask)
-        if HAS_BRANCH_BIAS:
-            tl.store(group_ptr + (group * SUMS + 2) * N + cols, dbb, mask=mask)
+        if ATOMIC_TOTALS:
+            tl.atomic_add(group_ptr + cols, dw, mask=mask, sem="relaxed")
+            tl.atomic_add(group_ptr + N + cols, db, mask=mask, sem="relaxed")
+            if HAS_BRANCH_BIAS:
+                tl.atomic_add(group_ptr + 2 * N + cols, dbb, mask=mask, sem="relaxed")
+        else:
+            tl.store(group_ptr + group * SUMS * N + cols, dw, mask=mask)
+            tl.store(group_ptr + (group * SUMS + 1) * N + cols, db, mask=mask)
+            if HAS_BRANCH_BIAS:
+                tl.store(group_ptr + (group * SUMS + 2) * N + cols, dbb, mask=mask)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -203,11 +213,14 @@ def _backward(
     dg = torch.empty(m, n, device=x2.device, dtype=gate_dtype) if g2 is not None else None
     programs = _num_programs(m, x2.device)
     groups = triton.cdiv(programs, BWD_GROUP)
-    # Each program's partial sums of dw, db (and the residual bias's gradient) lie side by side, then each group's
-    # (one reduction sums all); only an empty input launches none.
+    # Each program's partial sums of dw, db (and the residual bias's gradient) lie side by side; the groups' sums
+    # go into the totals by atomics, or are stored per group and summed here (deterministic).
     sums = 2 if residual_bias_dtype is None else 3
     partial = torch.empty(programs, sums, n, device=x2.device, dtype=torch.float32)
-    group_sums = (torch.empty if m else torch.zeros)(groups, sums, n, device=x2.device, dtype=torch.float32)
+    atomic = not settings.deterministic()
+    group_sums = torch.zeros(sums, n, device=x2.device, dtype=torch.float32) if atomic else (
+        (torch.empty if m else torch.zeros)(groups, sums, n, device=x2.device, dtype=torch.float32)
+    )
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
@@ -216,10 +229,10 @@ def _backward(
             triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
             dx.stride(0), _stride(dr), _stride(dg), scale, keep_scale,
             HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
-            HAS_RESIDUAL=dr is not None, HAS_BRANCH_BIAS=sums == 3, GROUP=BWD_GROUP, BLOCK_N=block_n,
-            num_warps=min(BWD_WARPS, _num_warps(block_n)),
+            HAS_RESIDUAL=dr is not None, HAS_BRANCH_BIAS=sums == 3, ATOMIC_TOTALS=atomic, GROUP=BWD_GROUP,
+            BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
-    totals = group_sums.sum(0)
+    totals = group_sums if atomic else group_sums.sum(0)
     dresidual_bias = totals[2].to(residual_bias_dtype) if sums == 3 else None
     return dx, dr, totals[0].to(weight.dtype), totals[1].to(bias.dtype), dg, dresidual_bias
 

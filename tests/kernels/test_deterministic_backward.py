@@ -1,4 +1,5 @@
-"""``GEM_KERNELS_DETERMINISTIC=1``: the Triton backward (interpreted on CPU) without float atomics.
+"""``GEM_KERNELS_DETERMINISTIC=1``: the Triton backward (interpreted on CPU) without float atomics (the
+attention's bias tables, the LayerNorm's totals).
 
 On a GPU, atomics add in the order programs and threads happen to run, so two identical backward passes can
 differ in their last bits; the interpreter runs programs one after another, so a plain rerun here would
@@ -17,8 +18,9 @@ import pytest
 import torch
 from triton.runtime import interpreter
 
-from kernels import jagged_attention
+from kernels import jagged_attention, residual_layer_norm
 from kernels.triton import jagged_attention as triton_backend
+from kernels.triton import layer_norm as triton_ln
 from kernels.triton.bias_rows import BiasGradRows, sum_position_rows
 
 LEAVES = ("q", "k", "v", "pos_bias", "time_bias")
@@ -185,3 +187,38 @@ def test_deterministic_dq_kernel_compiles_for_sm90_without_float_atomics():
     which the interpreter never runs) has float atomics on the default path and none when deterministic."""
     assert _ptx_atomics(False) > 0
     assert _ptx_atomics(True) == 0
+
+
+def _layer_norm_grads(seed: int) -> list[torch.Tensor]:
+    """Every gradient of a residual LayerNorm with a branch bias (the teacher's), through the Triton backward with
+    37 programs: two full groups of ``BWD_GROUP`` and a short one, whose sums meet in the totals."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, n = 203, 72
+    leaves = [torch.randn(tokens, n, generator=g), torch.randn(tokens, n, generator=g),
+              0.5 * torch.randn(n, generator=g), 1 + 0.3 * torch.randn(n, generator=g), 0.2 * torch.randn(n, generator=g)]
+    leaves = [t.requires_grad_(True) for t in leaves]
+    x, branch, branch_bias, weight, bias = leaves
+    total, normed = residual_layer_norm(x, branch, weight, bias, 1e-5, branch_bias=branch_bias, backend="triton")
+    ((total * torch.randn(tokens, n, generator=g)).sum() + (normed * torch.randn(tokens, n, generator=g)).sum()).backward()
+    return [t.grad for t in leaves]
+
+
+def test_layer_norm_totals_by_atomics_or_in_order_match_and_only_the_ordered_ignore_the_program_order(
+    programs_in_reverse, monkeypatch
+):
+    """The LayerNorm backward's weight, bias and branch-bias gradients: each group's sum added into the totals by
+    float atomics (default), or stored per group and summed in group order (``GEM_KERNELS_DETERMINISTIC=1``). Both
+    agree; with the programs run last to first the groups finish in another order, and the deterministic totals stay
+    bitwise the same."""
+    monkeypatch.setattr(triton_ln, "_num_programs", lambda m, device: 37)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", flag)
+        runs[flag] = _layer_norm_grads(5)
+    programs_in_reverse()
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1")
+    reversed_run = _layer_norm_grads(5)
+    names = ("x", "branch", "branch_bias", "weight", "bias")
+    for name, a, d, r in zip(names, runs["0"], runs["1"], reversed_run, strict=True):
+        assert _rel(a, d) < 1e-6, f"{name}: atomic vs ordered totals {_rel(a, d):.2e}"
+        assert torch.equal(d, r), f"deterministic {name} changed with the program order"
