@@ -11,6 +11,14 @@ bytes each Triton pass must move over its time against the copy bandwidth.
 
     python -m experiments.bench_glue --json glue.json
 
+``--launches`` instead times each backward alone (one recorded forward, its backward replayed) at the launch shapes
+of :data:`LAUNCH_SHAPES`, the committed one first, set through the kernel modules' constants, with the largest
+relative difference of its gradients from the committed shape's (the sums' order changes): memory-bound kernels
+whose registers limit how many programs an SM holds move their bytes slower (docs/benchmarks.md, session 33), and
+``python experiments/kernel_sass.py --glue`` counts those registers without a GPU.
+
+    python -m experiments.bench_glue --launches --json launches.json
+
 On CPU it runs the same code at tiny shapes through the Triton interpreter (``TRITON_INTERPRET=1``),
 which checks the script, not the speed.
 """
@@ -18,6 +26,7 @@ which checks the script, not the speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,7 +36,30 @@ from pathlib import Path
 
 import torch
 
-from kernels import jagged_silu_modulate, layer_norm, residual_layer_norm
+from kernels import jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
+from kernels.triton import layer_norm as triton_layer_norm
+from kernels.triton import row_modulate as triton_row_modulate
+from kernels.triton import silu_split as triton_silu_split
+
+# Backward launch shapes to time, per kernel module: the committed constants first.
+LAUNCH_SHAPES = {
+    "layer_norm": (triton_layer_norm, [
+        {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 16}, {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 8},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4}, {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 4},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2}, {"BWD_WARPS": 16, "BWD_PROGRAMS_PER_SM": 2},
+    ]),
+    "silu_split": (triton_silu_split, [
+        {"BLOCK_M": 32, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 4},
+        {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 2}, {"BLOCK_M": 32, "BLOCK_N": 128, "NUM_WARPS": 8},
+        {"BLOCK_M": 8, "BLOCK_N": 256, "NUM_WARPS": 2},
+    ]),
+    "silu_modulate": (triton_row_modulate, [
+        {"BLOCK_L": 64, "BLOCK_N": 32, "NUM_WARPS": 4}, {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4},
+        {"BLOCK_L": 64, "BLOCK_N": 64, "NUM_WARPS": 8}, {"BLOCK_L": 32, "BLOCK_N": 128, "NUM_WARPS": 4},
+        {"BLOCK_L": 16, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 4},
+        {"BLOCK_L": 32, "BLOCK_N": 32, "NUM_WARPS": 4}, {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 2},
+    ]),
+}
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,6 +143,98 @@ def modulate_case(tokens: int, width: int, device: torch.device, seed: int, rows
             "bytes_fwd": 2 * tokens * width * 2, "bytes_bwd": 3 * tokens * width * 2}
 
 
+def silu_split_case(tokens: int, width: int, device: torch.device, seed: int) -> dict:
+    """The HSTU block's projection ``h`` bf16 ``[tokens, 4 * width]`` with its float32 bias, split into four parts
+    (``u, v, q, k``), each with its own cotangent."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(tokens, 4 * width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    bias = (0.1 * torch.randn(4 * width, device=device, generator=g)).requires_grad_(True)
+    upstream = [torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16) for _ in range(4)]
+
+    def run(backend: str) -> tuple[torch.Tensor, ...]:
+        return silu_split(h, [width] * 4, bias=bias, backend=backend)
+
+    # Backward reads the four parts' gradients and h, writes dh (2 bytes each, 4 * width columns).
+    return {"leaves": [h, bias], "run": run, "upstream": upstream, "bytes_bwd": 3 * tokens * 4 * width * 2}
+
+
+def launch_cases(tokens: int, width: int, device: torch.device, rows_count: int) -> dict[str, list[tuple[str, dict]]]:
+    """The cases each kernel module's backward is timed on (``--launches``)."""
+    residual = residual_case(tokens, width, device, seed=3)
+    leaves = residual["leaves"]
+
+    def run_residual(backend: str) -> tuple[torch.Tensor, ...]:
+        x, branch, branch_bias, weight, bias = leaves
+        return residual_layer_norm(x, branch, weight, bias, 1e-5, branch_bias=branch_bias, out_dtype=torch.bfloat16,
+                                   backend=backend)
+
+    up_sum, up_norm = residual["upstream"].split(width, dim=1)
+    residual = dict(residual, run=run_residual, upstream=[up_sum, up_norm.to(torch.bfloat16)])
+    modulate = modulate_case(tokens, width, device, seed=2, rows_count=rows_count)
+    return {
+        "layer_norm": [("layer_norm+gate", layer_norm_case(tokens, width, device, seed=1)),
+                       ("residual_norm+bias", residual)],
+        "silu_split": [("silu_split+bias", silu_split_case(tokens, width, device, seed=4))],
+        "silu_modulate": [("silu_modulate", modulate)],
+    }
+
+
+@contextlib.contextmanager
+def module_constants(module, values: dict):
+    """``module``'s constants set to ``values`` inside the block, restored after it."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def time_backward(case: dict, repeats: int) -> tuple[float, list[torch.Tensor]]:
+    """Median ms of the Triton backward of one recorded forward (the graph kept between runs), and its gradients."""
+    out = case["run"]("triton")
+    outputs = list(out) if isinstance(out, tuple) else [out]
+    upstream = case["upstream"] if isinstance(case["upstream"], list) else [case["upstream"]]
+
+    def backward() -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(outputs, case["leaves"], upstream, retain_graph=True)
+
+    return median_ms(backward, repeats), list(backward())
+
+
+def measure_launches(tokens: int, width: int, device: torch.device, rows_count: int, repeats: int) -> list[dict]:
+    """Each backward at each of its launch shapes, with the copy rate of the device as the ceiling."""
+    source = torch.randn(5 * tokens, width, device=device).to(torch.bfloat16)
+    target = torch.empty_like(source)
+    copy_ms = median_ms(lambda: target.copy_(source), repeats)
+    rows = [{"kernel": "copy_", "case": "5 x [tokens, width] bf16", "shape": {}, "committed": True, "ms": copy_ms,
+             "tb_per_s": 2 * source.numel() * 2 / copy_ms / 1e9 if copy_ms else None}]
+    cases = launch_cases(tokens, width, device, rows_count)
+    committed = {}
+    for kernel, (module, shapes) in LAUNCH_SHAPES.items():
+        for index, shape in enumerate(shapes):
+            with module_constants(module, shape):
+                for name, case in cases[kernel]:
+                    ms, grads = time_backward(case, repeats)
+                    committed.setdefault(name, grads)
+                    error = max(rel_error(a, b) for a, b in zip(grads, committed[name], strict=True))
+                    rows.append({"kernel": kernel, "case": name, "shape": shape, "committed": index == 0, "ms": ms,
+                                 "tb_per_s": case["bytes_bwd"] / ms / 1e9 if ms else None,
+                                 "rel_error_vs_committed": error})
+                    print(format_launch(rows[-1]), flush=True)
+    return rows
+
+
+def format_launch(row: dict) -> str:
+    shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())
+    rate = f"{row['tb_per_s']:.2f} TB/s" if row["tb_per_s"] else "-"
+    mark = " (committed)" if row["committed"] and row["shape"] else ""
+    error = f"{row['rel_error_vs_committed']:.1e}" if "rel_error_vs_committed" in row else ""
+    return f"{row['case']:<22}{shape + mark:<58}{row['ms'] * 1e3:>10.1f} us {rate:>12} {error:>9}"
+
+
 def forward_backward(case: dict, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     for leaf in case["leaves"]:
         leaf.grad = None
@@ -157,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=None, help="rows of the modulation (default 32 / 4)")
     parser.add_argument("--repeats", type=int, default=5, help="host-timed repeats (CPU only)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--launches", action="store_true", help="time each backward alone at LAUNCH_SHAPES")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -165,22 +290,31 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (16384 if cuda else 96)
     width = args.width or (1024 if cuda else 64)
     rows_count = args.rows or (32 if cuda else 4)
+    if args.launches:
+        rows = measure_launches(tokens, width, device, rows_count, args.repeats)
+        write_result(args.json, device, tokens, width, rows)
+        return 0
     rows = [
         measure("layer_norm+gate", layer_norm_case(tokens, width, device, seed=1), args.repeats),
         measure("residual_norm+bias", residual_case(tokens, width, device, seed=3), args.repeats),
         measure("silu_modulate", modulate_case(tokens, width, device, seed=2, rows_count=rows_count), args.repeats),
     ]
+    write_result(args.json, device, tokens, width, rows)
+    print(format_table(rows))
+    return 0
+
+
+def write_result(path: str | None, device: torch.device, tokens: int, width: int, rows: list[dict]) -> None:
+    if not path:
+        return
     result = {
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
         "tokens": tokens,
         "width": width,
         "rows": rows,
         "date": time.strftime("%Y-%m-%d"),
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(rows))
-    return 0
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ Run it with the Triton of the GPU machine first on ``PYTHONPATH`` (e.g. ``pip in
 triton==3.6.0``); the counts differ between Triton versions.
 
     PYTHONPATH=DIR:. python experiments/kernel_sass.py --kernels fwd dq dkdv --bias both
+
+``--glue`` reports the glue kernels' backward instead (registers, spills and how many programs an SM holds at each
+launch shape of ``experiments/bench_glue.py --launches``): memory-bound kernels are slowed by too few warps in
+flight (docs/benchmarks.md, session 33).
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
+from experiments.bench_glue import LAUNCH_SHAPES
 from kernels.triton import jagged_attention as attn
+from kernels.triton import layer_norm as triton_layer_norm
+from kernels.triton import row_modulate as triton_row_modulate
+from kernels.triton import silu_split as triton_silu_split
 from kernels.triton.configs import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, configs_for
 
 KERNELS = {"fwd": (attn._fwd_kernel, FWD_CONFIGS), "dq": (attn._bwd_dq_kernel, DQ_CONFIGS),
@@ -126,6 +134,72 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
             f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack} | {parts}")
 
 
+# The glue kernels' backward as the `large` teacher launches them (float32 stream, bf16 activations, width 1,024), at
+# each launch shape `experiments/bench_glue.py --launches` times: registers bound how many programs an SM holds.
+GLUE_FLOAT32 = {"w_ptr", "b_ptr", "mean_ptr", "rstd_ptr", "partial_ptr", "group_ptr", "db_ptr"}
+GLUE_CASES = {
+    "layer_norm": [
+        ("residual", triton_layer_norm._ln_bwd_kernel, {"x_ptr", "ds_ptr", "dx_ptr"},
+         dict(HAS_GATE=False, HAS_DROPOUT=False, HAS_STREAM_GRAD=True, HAS_RESIDUAL=True, HAS_BRANCH_BIAS=True,
+              ATOMIC_TOTALS=True, GROUP=triton_layer_norm.BWD_GROUP, BLOCK_N=1024)),
+        ("gated", triton_layer_norm._ln_bwd_kernel, set(),
+         dict(HAS_GATE=True, HAS_DROPOUT=False, HAS_STREAM_GRAD=False, HAS_RESIDUAL=False, HAS_BRANCH_BIAS=False,
+              ATOMIC_TOTALS=True, GROUP=triton_layer_norm.BWD_GROUP, BLOCK_N=1024)),
+    ],
+    "silu_split": [("bias", triton_silu_split._silu_bwd_kernel, set(), dict(HAS_BIAS=True))],
+    "silu_modulate": [("bias", triton_row_modulate._modulate_bwd_kernel, set(), dict(HAS_BIAS=True, HAS_DROPOUT=False))],
+}
+SM_REGISTERS, SM_THREADS, SM_PROGRAMS = 65536, 2048, 32
+
+
+def glue_signature(fn, constexprs: dict, float32_tensors: set) -> tuple[dict, dict]:
+    """``*_ptr`` arguments bf16 unless float32 (:data:`GLUE_FLOAT32` and the case's own) or bytes, counters and
+    offsets; scale-like arguments float32; the rest int32."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            special = {"m_ptr": "*u8", "count_ptr": "*i32", "offsets_ptr": "*i64"}
+            fp32 = name in GLUE_FLOAT32 or name in float32_tensors
+            sig[name] = special.get(name, "*fp32" if fp32 else "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name in ("scale", "keep_scale", "eps", "scale_offset") else "i32"
+    return sig, attrs
+
+
+def resident_programs(registers: int, warps: int) -> int:
+    """Programs of ``warps`` warps one sm_90 SM holds at once at ``registers`` per thread (allocated in eights),
+    bounded by its registers, threads and program slots."""
+    threads = 32 * warps
+    return min(SM_REGISTERS // (-(-registers // 8) * 8 * threads), SM_THREADS // threads, SM_PROGRAMS)
+
+
+def glue_report(kernel: str, shape: dict) -> list[str]:
+    """Registers, stack and resident programs per SM of ``kernel``'s backward at one launch shape."""
+    lines = []
+    warps = shape.get("BWD_WARPS", shape.get("NUM_WARPS"))
+    blocks = {k: v for k, v in shape.items() if k.startswith("BLOCK_")}
+    for case, fn, float32_tensors, flags in GLUE_CASES[kernel]:
+        constexprs = {**flags, **blocks}
+        sig, attrs = glue_signature(fn, constexprs, float32_tensors)
+        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tools("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        stack = re.search(r"STACK:(\d+)", usage).group(1)
+        resident = resident_programs(regs, warps)
+        text = " ".join(f"{k}={v}" for k, v in shape.items())
+        lines.append(f"{kernel} {case:8s} {text:48s} regs {regs:3d} stack {stack:>3s}: {resident} programs "
+                     f"({resident * warps} warps) per SM")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
@@ -133,8 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--acts", type=int, nargs="+", default=[1], help="1 SiLU, 0 softmax")
     parser.add_argument("--deterministic", action="store_true",
                         help="the biased dQ kernel as GEM_KERNELS_DETERMINISTIC=1 compiles it")
+    parser.add_argument("--glue", action="store_true",
+                        help="instead: the glue kernels' backward at bench_glue's LAUNCH_SHAPES (registers, residency)")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90")
+    if args.glue:
+        for kernel, (_, shapes) in LAUNCH_SHAPES.items():
+            for shape in shapes:
+                print("\n".join(glue_report(kernel, shape)), flush=True)
+        return 0
     for kernel in args.kernels:
         for bias in args.bias:
             for act in args.acts:

@@ -25,9 +25,11 @@ import triton.language as tl
 from kernels.triton.per_batch import per_batch
 
 # Token tile x column block. 32 columns give a batch of a few long rows (4,096-event histories, B of 4)
-# 32 programs per row; fixed sizes compile once, whatever the batch.
+# 32 programs per row; fixed sizes compile once, whatever the batch (module constants, so that
+# `experiments/bench_glue.py --launches` can time others through the real op).
 BLOCK_L = 64
 BLOCK_N = 32
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -109,9 +111,9 @@ def _unit_columns(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_shape(batch: int, n: int) -> tuple[tuple[int, int], dict]:
-    """``((rows, column blocks), {BLOCK_L, BLOCK_N})``."""
+    """``((rows, column blocks), {BLOCK_L, BLOCK_N, num_warps})``."""
     block_n = min(BLOCK_N, triton.next_power_of_2(max(n, 1)))
-    return (batch, triton.cdiv(n, block_n)), {"BLOCK_L": BLOCK_L, "BLOCK_N": block_n}
+    return (batch, triton.cdiv(n, block_n)), {"BLOCK_L": BLOCK_L, "BLOCK_N": block_n, "num_warps": NUM_WARPS}
 
 
 def _row_offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:

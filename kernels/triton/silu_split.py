@@ -21,9 +21,11 @@ import triton
 import triton.language as tl
 
 # A 32 x 128 tile per program, rows in contiguous 256-byte (bf16) runs: at the `large` teacher's shapes its
-# backward beat 16 x 256 tiles (docs/benchmarks.md, session 28); fixed, so it compiles once.
+# backward beat 16 x 256 tiles (docs/benchmarks.md, session 28); fixed, so it compiles once. Module constants, so
+# that `experiments/bench_glue.py --launches` can time other launch shapes through the real op.
 BLOCK_M = 32
 BLOCK_N = 128
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -76,7 +78,7 @@ class _SiluSplitFn(torch.autograd.Function):
         if m and n:
             _silu_fwd_kernel[_grid(m, n)](
                 h, h if bias is None else bias, y, m, n, h.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
             )
         ctx.save_for_backward(h, bias)
         ctx.widths = widths
@@ -105,7 +107,7 @@ class _SiluSplitFn(torch.autograd.Function):
                     dy, h[:, cols], h if bias is None else bias[cols], dh[:, cols],
                     dh if partial is None else partial[:, cols], m, width, dy.stride(0), h.stride(0), dh.stride(0),
                     0 if partial is None else partial.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-                    BLOCK_N=BLOCK_N,
+                    BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
                 )
             start += width
         return dh, None if partial is None else partial.sum(0).to(bias.dtype), None
