@@ -21,6 +21,8 @@ GROUPS = ("generative_loss", "attention", "embeddings", "optimizer", "gemm", "el
 REGION_GROUPS = {GENERATIVE: "generative_loss", ATTENTION: "attention", EMBEDDINGS: "embeddings"}
 BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 OPTIMIZER_PREFIX = "Optimizer."
+# The optimizer's own kernels by name (a Triton launch inside ``Optimizer.step`` is linked to no host op).
+OPTIMIZER_NAMES = re.compile(r"^_adamw_kernel|^_multi_copy_kernel|multi_tensor_apply|fused_adam", re.I)
 # The jagged attention kernels by name, for launches the profiler links to no range of ours.
 ATTENTION_NAMES = re.compile(r"^_fwd_kernel|^_bwd_(dq|dkdv|delta)_kernel|attention|flash|fmha", re.I)
 GEMM_NAMES = re.compile(r"gemm|cutlass|nvjet|xmma|cublas|wgmma|^aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm)$", re.I)
@@ -67,6 +69,8 @@ def context_group(event, numbers: dict[str, set[int]]) -> str | None:
 
 
 def name_group(name: str) -> str:
+    if OPTIMIZER_NAMES.search(name):
+        return "optimizer"
     if ATTENTION_NAMES.search(name):
         return "attention"
     if GEMM_NAMES.search(name):
@@ -137,12 +141,22 @@ def unattributed_kernels(device_us: dict[str, float], breakdown: dict, *, steps:
     return sorted(missing, key=lambda k: -k["ms_per_step"])
 
 
+def with_unattributed(breakdown: dict, missing: list[dict]) -> dict[str, float]:
+    """``breakdown``'s per-step milliseconds by group with the kernels no group holds (:func:`unattributed_kernels`)
+    added to the group their names give: the groups then add up to the device's own kernel time."""
+    groups = dict(breakdown["groups_ms_per_step"])
+    for kernel in missing:
+        groups[name_group(kernel["name"])] += kernel["ms_per_step"]
+    return groups
+
+
 def device_kernel_us(prof) -> dict[str, float]:
-    """Kernel name -> microseconds of every device activity a finished ``torch.profiler.profile`` recorded."""
+    """Kernel name -> microseconds of every device activity (kernels, copies, memsets) a finished
+    ``torch.profiler.profile`` recorded; the device-side spans of ``record_function`` ranges are not kernels."""
     from torch.autograd import DeviceType
 
     totals: dict[str, float] = defaultdict(float)
     for event in prof.profiler.kineto_results.events():
-        if event.device_type() == DeviceType.CUDA:
+        if event.device_type() == DeviceType.CUDA and not event.is_user_annotation():
             totals[event.name()] += (event.end_ns() - event.start_ns()) / 1e3
     return dict(totals)

@@ -154,6 +154,9 @@ def test_kernel_names_fall_into_their_groups():
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise_norm",
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, true>": "elementwise_norm",
         "Memcpy HtoD (Pinned -> Device)": "other",
+        "_adamw_kernel": "optimizer",
+        "_multi_copy_kernel": "optimizer",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
     }
     assert {n: name_group(n) for n in names} == names
 
@@ -176,3 +179,54 @@ def test_kernels_the_device_ran_but_no_group_holds_are_listed():
     assert [k["name"] for k in missing] == ["_adamw_kernel", "gemm_a"]
     assert missing[0]["ms_per_step"] == pytest.approx(3.5) and missing[1]["ms_per_step"] == pytest.approx(0.2)
     assert unattributed_kernels({}, breakdown, steps=3) == []
+
+
+def test_kernels_no_group_holds_join_the_group_their_names_give():
+    """With them added by name the groups add up to the device's own kernel time: the optimizer's update kernel
+    (linked to no host op) joins the optimizer's group, a GEMM credited in part the GEMMs'."""
+    from experiments.kernel_groups import GROUPS, with_unattributed
+
+    groups = {g: 0.0 for g in GROUPS} | {"gemm": 1.0, "optimizer": 0.25, "elementwise_norm": 4.0}
+    missing = [{"name": "_adamw_kernel", "ms_per_step": 3.5}, {"name": "nvjet_sm90_tst_128x128", "ms_per_step": 0.2}]
+    added = with_unattributed({"groups_ms_per_step": groups}, missing)
+    assert added["optimizer"] == pytest.approx(3.75) and added["gemm"] == pytest.approx(1.2)
+    assert added["elementwise_norm"] == 4.0 and groups["optimizer"] == 0.25
+    assert sum(added.values()) == pytest.approx(sum(groups.values()) + 3.7)
+
+
+class _DeviceEvent:
+    def __init__(self, name, device, annotation, us):
+        self._name, self._device, self._annotation, self._us = name, device, annotation, us
+
+    def name(self):
+        return self._name
+
+    def device_type(self):
+        return self._device
+
+    def is_user_annotation(self):
+        return self._annotation
+
+    def start_ns(self):
+        return 1_000
+
+    def end_ns(self):
+        return 1_000 + int(self._us * 1e3)
+
+
+def test_device_records_keep_kernels_and_drop_the_ranges_device_spans():
+    """A ``record_function`` range (``gem.attention``, ``Optimizer.step#...``) also leaves a span on the device's
+    timeline; it is not a kernel and must not be listed as one no group holds."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from experiments.kernel_groups import device_kernel_us
+
+    events = [_DeviceEvent("_adamw_kernel", DeviceType.CUDA, False, 30.0),
+              _DeviceEvent("_adamw_kernel", DeviceType.CUDA, False, 10.0),
+              _DeviceEvent("gem.attention", DeviceType.CUDA, True, 500.0),
+              _DeviceEvent("Optimizer.step#MasterAdamW.step", DeviceType.CUDA, True, 900.0),
+              _DeviceEvent("aten::mm", DeviceType.CPU, False, 70.0)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    assert device_kernel_us(prof) == {"_adamw_kernel": pytest.approx(40.0)}
