@@ -230,3 +230,37 @@ def test_device_records_keep_kernels_and_drop_the_ranges_device_spans():
               _DeviceEvent("aten::mm", DeviceType.CPU, False, 70.0)]
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
     assert device_kernel_us(prof) == {"_adamw_kernel": pytest.approx(40.0)}
+
+
+def test_ab_teacher_alternates_the_trees_and_reads_the_losses_of_the_same_batches(tmp_path):
+    """Two pairs of runs, base first then this tree first; the repository against itself on the CPU: the same
+    batches and losses (differences 0), medians per tree, every run's JSON kept."""
+    from experiments import ab_teacher
+
+    assert ab_teacher.run_order(3) == [(0, "base"), (0, "this"), (1, "this"), (1, "base"), (2, "base"), (2, "this")]
+    out = tmp_path / "ab.json"
+    bench = (f"--flavor debug --steps 2 --rows 256 --examples 2000 --token-budget 2048 --workers 0 --device cpu "
+             f"--data {tmp_path / 'world'}")
+    assert ab_teacher.main(["--base", str(ab_teacher.REPO), "--lengths", "64", "--pairs", "2", "--bench-args", bench,
+                            "--json", str(out), "--", "dropout=0.0"]) == 0
+    result = json.loads(out.read_text())
+    length = result["lengths"]["64"]
+    assert [(r["pair"], r["tree"], r["status"]) for r in length["runs"]] == [
+        (0, "base", "done"), (0, "this", "done"), (1, "this", "done"), (1, "base", "done")]
+    assert all(r["step_ms_median"] > 0 for r in length["runs"])
+    assert length["median_step_ms"]["base"] > 0 and length["change"] is not None
+    diffs = length["loss_vs_base"] + length["loss_noise"]["base"] + length["loss_noise"]["this"]
+    assert len(diffs) == 4
+    assert all(d["same_batches"] and d["steps"] == 2 and d["max_abs_diff"] == 0.0 for d in diffs)
+
+
+def test_ab_teacher_skips_runs_past_its_budget_and_refuses_a_base_that_is_not_the_repository(tmp_path, capsys):
+    from experiments import ab_teacher
+
+    out = tmp_path / "ab.json"
+    assert ab_teacher.main(["--base", str(ab_teacher.REPO), "--lengths", "512", "--pairs", "1", "--budget", "-1",
+                            "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["lengths"]["512"]["runs"]
+    assert [r["status"].split(":")[0] for r in runs] == ["skipped", "skipped"]
+    with pytest.raises(SystemExit, match="not a copy of the repository"):
+        ab_teacher.main(["--base", str(tmp_path), "--lengths", "512"])
