@@ -218,14 +218,18 @@ def _backward(
     sums = 2 if residual_bias_dtype is None else 3
     partial = torch.empty(programs, sums, n, device=x2.device, dtype=torch.float32)
     atomic = not settings.deterministic()
-    group_sums = torch.zeros(sums, n, device=x2.device, dtype=torch.float32) if atomic else (
-        (torch.empty if m else torch.zeros)(groups, sums, n, device=x2.device, dtype=torch.float32)
-    )
+    if atomic:  # one zero fill for the groups' arrival counts and, 16-byte aligned after them, the totals
+        counts_len = triton.cdiv(groups, 4) * 4
+        zeroed = torch.zeros(counts_len + sums * n, device=x2.device, dtype=torch.int32)
+        counts, group_sums = zeroed[:groups], zeroed[counts_len:].view(torch.float32).view(sums, n)
+    else:
+        counts = torch.zeros(groups, device=x2.device, dtype=torch.int32)
+        group_sums = (torch.empty if m else torch.zeros)(groups, sums, n, device=x2.device, dtype=torch.float32)
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
             dy2, x2, weight, bias, _or(g2, x2), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx, _or(dr, dx), _or(dg, dx),
-            partial, group_sums, torch.zeros(groups, device=x2.device, dtype=torch.int32), m, n,
+            partial, group_sums, counts, m, n,
             triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
             dx.stride(0), _stride(dr), _stride(dg), scale, keep_scale,
             HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
