@@ -147,7 +147,8 @@ GLUE_CASES = {
               ATOMIC_TOTALS=True, GROUP=triton_layer_norm.BWD_GROUP, BLOCK_N=1024)),
     ],
     "silu_split": [("bias", triton_silu_split._silu_bwd_kernel, set(), dict(HAS_BIAS=True))],
-    "silu_modulate": [("bias", triton_row_modulate._modulate_bwd_kernel, set(), dict(HAS_BIAS=True, HAS_DROPOUT=False))],
+    "silu_modulate": [("bias", triton_row_modulate._modulate_bwd_kernel, set(),
+                       dict(HAS_BIAS=True, HAS_DROPOUT=False, CHUNK_TILES=triton_row_modulate.CHUNK_TILES))],
 }
 SM_REGISTERS, SM_THREADS, SM_PROGRAMS = 65536, 2048, 32
 
@@ -161,7 +162,8 @@ def glue_signature(fn, constexprs: dict, float32_tensors: set) -> tuple[dict, di
             sig[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            special = {"m_ptr": "*u8", "count_ptr": "*i32", "offsets_ptr": "*i64"}
+            special = {"m_ptr": "*u8", "count_ptr": "*i32", "offsets_ptr": "*i64", "chunk_row_ptr": "*i64",
+                       "chunk_first_ptr": "*i64"}
             fp32 = name in GLUE_FLOAT32 or name in float32_tensors
             sig[name] = special.get(name, "*fp32" if fp32 else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]

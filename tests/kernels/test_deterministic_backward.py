@@ -222,3 +222,31 @@ def test_layer_norm_totals_by_atomics_or_in_order_match_and_only_the_ordered_ign
     for name, a, d, r in zip(names, runs["0"], runs["1"], reversed_run, strict=True):
         assert _rel(a, d) < 1e-6, f"{name}: atomic vs ordered totals {_rel(a, d):.2e}"
         assert torch.equal(d, r), f"deterministic {name} changed with the program order"
+
+
+def test_modulation_row_sums_of_several_chunks_do_not_depend_on_the_order_programs_run(programs_in_reverse,
+                                                                                         monkeypatch):
+    """The PFFN modulation's backward: a row cut into chunks (here of 4 tokens) has its sums added by whichever of
+    its chunks finishes last, always in chunk order, so running the programs last to first changes no bit."""
+    from kernels import jagged_silu_modulate
+    from kernels.triton import row_modulate
+
+    monkeypatch.setattr(row_modulate, "BLOCK_L", 4)
+    monkeypatch.setattr(row_modulate, "CHUNK_TILES", 1)
+
+    def grads() -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(9)
+        lengths = [37, 0, 5, 22]
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        leaves = [torch.randn(rows.numel(), 24, generator=g), torch.randn(4, 24, generator=g),
+                  torch.randn(4, 24, generator=g), torch.randn(24, generator=g)]
+        leaves = [t.requires_grad_(True) for t in leaves]
+        h, scale, shift, bias = leaves
+        out = jagged_silu_modulate(h, scale, shift, rows, bias=bias, scale_offset=1.0, backend="triton")
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+        return [t.grad for t in leaves]
+
+    forward = grads()
+    programs_in_reverse()
+    for name, a, r in zip(("h", "scale", "shift", "bias"), forward, grads(), strict=True):
+        assert torch.equal(a, r), f"{name} changed with the program order"

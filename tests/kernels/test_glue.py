@@ -147,9 +147,13 @@ def test_silu_modulate_reference_is_silu_then_row_affine():
         ([5, 9, 2], 48, torch.bfloat16),  # the PFFN's dtype under autocast on the GPU
     ],
 )
-@pytest.mark.parametrize("block_l", [row_modulate.BLOCK_L, 4])  # 4: several token tiles per row
-def test_silu_modulate_triton_matches_reference(lengths, n, dtype, block_l, monkeypatch):
+@pytest.mark.parametrize(
+    "block_l,chunk_tiles",
+    [(row_modulate.BLOCK_L, row_modulate.CHUNK_TILES), (4, row_modulate.CHUNK_TILES), (4, 1)],
+)  # 4: several token tiles per row, and rows of several chunks of 16 or of 4 tokens
+def test_silu_modulate_triton_matches_reference(lengths, n, dtype, block_l, chunk_tiles, monkeypatch):
     monkeypatch.setattr(row_modulate, "BLOCK_L", block_l)
+    monkeypatch.setattr(row_modulate, "CHUNK_TILES", chunk_tiles)
     g = torch.Generator().manual_seed(sum(lengths) + n)
     rows = _rows(lengths)
     h = _leaf(g, rows.numel(), n, dtype=dtype)
