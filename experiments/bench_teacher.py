@@ -537,6 +537,9 @@ def record_row(path: Path, result: dict, command: str, label: str | None) -> dic
     row = {
         "max_history": result["max_history"],
         "mfu": result.get("steady_mfu"),
+        # The steady state without its outlier steps (a new bucket's capture, a compile), as the docs report it.
+        "mfu_no_outliers": result.get("steady_no_outliers_mfu"),
+        "outlier_steps": result["outlier_steps"],
         "tokens_per_s": result["steady_tokens_per_s"],
         "step_ms_median": result["step_ms_median"],
         "first_step_after_build_s": result["first_step_from_build_s"],

@@ -105,9 +105,12 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     assert comparison["same_batches"] and comparison["steps"] == 2 and comparison["max_abs_diff"] == 0
     rows = json.loads(table.read_text())["rows"]
     assert [r.get("label") for r in rows] == [None, "b"] and rows[1]["command"].endswith("--record-label b")
+    # The fields, and the MFU without outlier steps that the docs report beside the steady one.
     assert set(rows[0]) == {
-        "max_history", "mfu", "tokens_per_s", "step_ms_median", "first_step_after_build_s", "command", "date", "device"
+        "max_history", "mfu", "tokens_per_s", "step_ms_median", "first_step_after_build_s", "command", "date", "device",
+        "mfu_no_outliers", "outlier_steps",
     }
+    assert rows[0]["outlier_steps"] >= 0
 
 
 def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager_step(tmp_path, capsys):
