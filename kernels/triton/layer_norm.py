@@ -8,10 +8,10 @@ output, multiplies it by the gate into another float32 tensor and casts that to 
 GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. The backward reads
 ``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
 per-program float32 partial sums over a block of rows. The last program of each group of ``GROUP`` to finish
-(an atomic count) adds its group's partials in program order, then adds that into the totals with float atomics:
-no reduction over groups is left for a kernel of its own (one per call; at the teacher's shapes it took longer
-than the atomics). With ``GEM_KERNELS_DETERMINISTIC=1`` each group's sum is stored instead and the host sums the
-groups in order, so the gradients do not depend on which group finished first.
+(an atomic count) adds its group's partials in program order, then adds that into the totals with float atomics,
+so no reduction over the groups is left for a kernel launch of its own after every call. With
+``GEM_KERNELS_DETERMINISTIC=1`` each group's sum is stored instead and the host sums the groups in order, so the
+gradients do not depend on which group finished first.
 
 ``residual_layer_norm``: ``s = x + branch``, ``y = LN(s)``, both written by one pass that reads ``x`` and the
 branch (a block's output added to the float32 residual stream, normalised for the next block). Eager writes
