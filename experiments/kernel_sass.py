@@ -106,6 +106,16 @@ def tools(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def resource_usage(compiled) -> tuple[int, int, str]:
+    """``(registers per thread, stack bytes, SASS text)`` of a kernel compiled for sm_90."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tools("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tools("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
+
+
 def report(kernel: str, bias: str, act: int, config: triton.Config, deterministic: bool = False) -> str:
     fn, _ = KERNELS[kernel]
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
@@ -117,14 +127,7 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
         del constexprs["POS_FITS"]
         # The teacher's 128-entry time table (kernels/triton/bias.py: sum_time_grad).
         constexprs.update(DETERMINISTIC=deterministic and bias != "none", BLOCK_T=128 if deterministic else 16)
-    compiled = compile_sm90(fn, constexprs, config)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tools("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tools("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
-    regs = re.search(r"REG:(\d+)", usage).group(1)
-    stack = re.search(r"STACK:(\d+)", usage).group(1)
+    regs, stack, sass = resource_usage(compile_sm90(fn, constexprs, config))
     loops = tile_loops(sass)
     names = LOOP_ORDER[kernel] if len(loops) == len(LOOP_ORDER[kernel]) else [f"loop {i}" for i in range(len(loops))]
     scores = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] / (32 * config.num_warps)
@@ -189,15 +192,10 @@ def glue_report(kernel: str, shape: dict) -> list[str]:
         sig, attrs = glue_signature(fn, constexprs, float32_tensors)
         compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([tools("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-        regs = int(re.search(r"REG:(\d+)", usage).group(1))
-        stack = re.search(r"STACK:(\d+)", usage).group(1)
+        regs, stack, _ = resource_usage(compiled)
         resident = resident_programs(regs, warps)
         text = " ".join(f"{k}={v}" for k, v in shape.items())
-        lines.append(f"{kernel} {case:8s} {text:48s} regs {regs:3d} stack {stack:>3s}: {resident} programs "
+        lines.append(f"{kernel} {case:8s} {text:48s} regs {regs:3d} stack {stack:3d}: {resident} programs "
                      f"({resident * warps} warps) per SM")
     return lines
 
