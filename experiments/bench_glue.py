@@ -32,32 +32,37 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from foundation.data.io import atomic_write_text
 from kernels import jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
 from kernels.triton import layer_norm as triton_layer_norm
 from kernels.triton import row_modulate as triton_row_modulate
 from kernels.triton import silu_split as triton_silu_split
 
-# Backward launch shapes to time, per kernel module: the committed constants first.
+
+def _with_committed(module, alternatives: list[dict]) -> tuple:
+    """``(module, shapes)``: the module's committed constants (those the alternatives set) first."""
+    return module, [{name: getattr(module, name) for name in alternatives[0]}, *alternatives]
+
+
+# Backward launch shapes to time, per kernel module: the committed constants first, then these.
 LAUNCH_SHAPES = {
-    "layer_norm": (triton_layer_norm, [
-        {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 16}, {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 8},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4}, {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 4},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2}, {"BWD_WARPS": 16, "BWD_PROGRAMS_PER_SM": 2},
+    "layer_norm": _with_committed(triton_layer_norm, [
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 8}, {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 4}, {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2},
+        {"BWD_WARPS": 16, "BWD_PROGRAMS_PER_SM": 2},
     ]),
-    "silu_split": (triton_silu_split, [
-        {"BLOCK_M": 32, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 4},
-        {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 2}, {"BLOCK_M": 32, "BLOCK_N": 128, "NUM_WARPS": 8},
-        {"BLOCK_M": 8, "BLOCK_N": 256, "NUM_WARPS": 2},
+    "silu_split": _with_committed(triton_silu_split, [
+        {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 2},
+        {"BLOCK_M": 32, "BLOCK_N": 128, "NUM_WARPS": 8}, {"BLOCK_M": 8, "BLOCK_N": 256, "NUM_WARPS": 2},
     ]),
-    "silu_modulate": (triton_row_modulate, [
-        {"BLOCK_L": 64, "BLOCK_N": 32, "NUM_WARPS": 4}, {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4},
-        {"BLOCK_L": 64, "BLOCK_N": 64, "NUM_WARPS": 8}, {"BLOCK_L": 32, "BLOCK_N": 128, "NUM_WARPS": 4},
-        {"BLOCK_L": 16, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 4},
-        {"BLOCK_L": 32, "BLOCK_N": 32, "NUM_WARPS": 4}, {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 2},
+    "silu_modulate": _with_committed(triton_row_modulate, [
+        {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4}, {"BLOCK_L": 64, "BLOCK_N": 64, "NUM_WARPS": 8},
+        {"BLOCK_L": 32, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_L": 16, "BLOCK_N": 128, "NUM_WARPS": 4},
+        {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 4}, {"BLOCK_L": 32, "BLOCK_N": 32, "NUM_WARPS": 4},
+        {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 2},
     ]),
 }
 
@@ -314,7 +319,7 @@ def write_result(path: str | None, device: torch.device, tokens: int, width: int
         "rows": rows,
         "date": time.strftime("%Y-%m-%d"),
     }
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
