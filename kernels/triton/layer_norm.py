@@ -301,27 +301,33 @@ class _ResidualLayerNormFn(torch.autograd.Function):
             dr = ds.to(branch_dtype) if branch_dtype else None
             return ds.to(x_dtype), dr, dbb, None, None, None, None, None
         dbb = None
+        # Stream, branch and sum of one dtype (a bf16 stream): the two gradients are equal, and one tensor is
+        # written and handed to both (autograd accumulates into a gradient in place only when no one else holds
+        # its storage).
+        shared = branch_dtype == x_dtype == s2.dtype
         if dy is None:
             dx = (ds.to(x_dtype, copy=True, memory_format=torch.contiguous_format) if ds is not None
                   else s2.new_zeros(ctx.shape, dtype=x_dtype))
-            dr = dx.to(branch_dtype, copy=True) if branch_dtype else None
+            dr = dx if shared else dx.to(branch_dtype, copy=True) if branch_dtype else None
             grad_w = grad_b = None
         else:
             dx, dr, grad_w, grad_b, _, dbb = _backward(
-                dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds, residual_dtype=branch_dtype,
-                residual_bias_dtype=bias_dtype,
+                dy, s2, weight, bias, None, mean, rstd, 1.0, gate_dtype=None, ds=ds,
+                residual_dtype=None if shared else branch_dtype, residual_bias_dtype=bias_dtype,
             )
+            dr = dx if shared else dr
         rows = dx.view(-1, dx.shape[-1])
         if dpicked is not None:
             rows.index_add_(0, picks, dpicked.to(dx.dtype))
-            if dr is not None:  # the picked rows' sums, rounded once into the branch's dtype (as autograd would)
+            if dr is not None and dr is not dx:  # the picked rows' sums, rounded once into the branch's dtype
                 dr.view(-1, dr.shape[-1]).index_copy_(0, picks, rows.index_select(0, picks).to(dr.dtype))
             if dbb is not None:
                 dbb = (dbb.float() + dpicked.sum(0, dtype=torch.float32)).to(bias_dtype)
         if bias_dtype and dbb is None:
             dbb = rows.sum(0, dtype=torch.float32).to(bias_dtype)
-        dr = dr.view(ctx.shape) if dr is not None else None
-        return dx.to(x_dtype).view(ctx.shape), dr, dbb, grad_w, grad_b, None, None, None
+        dx = dx.to(x_dtype).view(ctx.shape)
+        dr = dx if shared else dr.view(ctx.shape) if dr is not None else None
+        return dx, dr, dbb, grad_w, grad_b, None, None, None
 
 
 def _num_warps(block_n: int) -> int:

@@ -282,6 +282,43 @@ def test_residual_layer_norm_on_a_bf16_stream_matches_reference(with_bias):
         torch.testing.assert_close(a, b, rtol=0, atol=1.6e-2 * float(b.abs().max()), msg=name)
 
 
+@pytest.mark.parametrize("use", ["norm+stream", "norm+picks", "stream"])
+def test_residual_layer_norm_one_gradient_for_stream_and_branch_survives_accumulation(use):
+    """With stream, branch and sum in one dtype the backward hands one tensor to both inputs. Each input also feeds
+    another op, so autograd sums two gradients into each of them: were that sum done in place in the shared tensor,
+    the other input's gradient would change. Both gradients against the reference's."""
+    picks = torch.tensor([3, 0, 5, 3]) if "picks" in use else None
+    results = {}
+    for backend in ("pytorch", "triton"):
+        x, branch, weight, bias, g = _residual_case(23, 32, torch.bfloat16, seed=4)
+        x = x.to(torch.bfloat16).detach().requires_grad_()
+        out = residual_layer_norm(x * 1, branch * 1, weight, bias, 1e-5, picks=picks, out_dtype=torch.bfloat16,
+                                  backend=backend)
+        loss = (x.float() * 3).sum() + (branch.float() ** 2).sum()  # the inputs' other consumers
+        if "stream" in use:
+            loss = loss + (out[0].float() * torch.randn(out[0].shape, generator=g)).sum()
+        if "norm" in use:
+            loss = loss + (out[1].float() * torch.randn(out[1].shape, generator=g)).sum()
+        if picks is not None:
+            loss = loss + (out[2].float() * torch.randn(out[2].shape, generator=g)).sum()
+        loss.backward()
+        results[backend] = [x.grad, branch.grad]
+    for name, a, b in zip(("x", "branch"), results["triton"], results["pytorch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1.6e-2 * float(b.abs().max()), msg=name)
+
+
+def test_residual_layer_norm_of_one_dtype_writes_one_gradient():
+    """A bf16 stream and branch: the gradients of both inputs are one tensor (one write of ``[M, N]`` saved); a
+    float32 stream with a bf16 branch keeps two."""
+    for stream_dtype, shared in ((torch.bfloat16, True), (torch.float32, False)):
+        x, branch, weight, bias, _ = _residual_case(9, 16, torch.bfloat16, seed=1)
+        x = x.to(stream_dtype).detach().requires_grad_()
+        total, normed = residual_layer_norm(x, branch, weight, bias, 1e-5, out_dtype=torch.bfloat16, backend="triton")
+        dx, dbranch = torch.autograd.grad((total.float().sum() + normed.float().pow(2).sum()), [x, branch])
+        assert (dx.data_ptr() == dbranch.data_ptr()) is shared
+        torch.testing.assert_close(dx.float(), dbranch.float(), rtol=0, atol=1e-2 * float(dx.abs().max()))
+
+
 def test_residual_layer_norm_reference_adds_the_branch_bias():
     x, branch, weight, bias, g = _residual_case(4, 9, torch.float32, 0)
     branch_bias = torch.randn(9, generator=g)
