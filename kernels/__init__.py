@@ -34,6 +34,7 @@ from kernels.glue import (
     multi_copy,
     residual_layer_norm,
     silu_split,
+    unbind_pair,
 )
 from kernels.pytorch.jagged_attention import ACTIVATIONS
 from kernels.spec import AttentionSpec
@@ -52,6 +53,7 @@ __all__ = [
     "residual_layer_norm",
     "route_jagged_attention",
     "silu_split",
+    "unbind_pair",
 ]
 
 # Context parallelism (foundation/parallel/context.py) computes the model's unchanged jagged_attention calls on

@@ -1,5 +1,5 @@
 """Dispatchers for the glue around the attention kernels: a fused LayerNorm (alone or after a residual add), a
-per-row SiLU modulation and a split SiLU.
+per-row SiLU modulation and a split SiLU; and the split of a fused key-value projection (:func:`unbind_pair`).
 
 Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
 PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU
@@ -281,6 +281,58 @@ def silu_split(
     else:
         from kernels.pytorch.silu_split import silu_split as impl
     return impl(h, widths, bias)
+
+
+def _dense_strides(size: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``size``."""
+    strides, step = [], 1
+    for extent in reversed(size):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def pair_halves(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether ``first`` and ``second`` are ``pair[:, 0]`` and ``pair[:, 1]`` of one contiguous ``[L, 2, ...]``."""
+    pair = _dense_strides((first.shape[0], 2, *first.shape[1:]))
+    return (
+        first.numel() > 0 and first.shape == second.shape and first.dtype == second.dtype
+        and first.device == second.device and first.stride() == second.stride() == (pair[0], *pair[2:])
+        and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        and second.storage_offset() - first.storage_offset() == pair[1]
+    )
+
+
+class _UnbindPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        return pair[:, 0], pair[:, 1]
+
+    @staticmethod
+    def backward(ctx, first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
+        if first is None and second is None:
+            return None
+        first = torch.zeros_like(second) if first is None else first
+        second = torch.zeros_like(first) if second is None else second
+        if pair_halves(first, second):
+            size = (first.shape[0], 2, *first.shape[1:])
+            return first.as_strided(size, _dense_strides(size), first.storage_offset())
+        return torch.stack([first, second], 1)
+
+
+def unbind_pair(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pair[L, 2, ...] -> (pair[:, 0], pair[:, 1])``, views, as ``pair.unbind(1)``: e.g. keys and values from one
+    fused projection.
+
+    ``unbind``'s backward stacks the two gradients into a new ``[L, 2, ...]`` tensor, a read and a write of both.
+    The attention kernels' backward returns dK and dV for such keys and values as the two halves of one fresh
+    ``[L, 2, H, D]`` tensor (:mod:`kernels.triton.jagged_attention`); where the gradients are laid out so, that
+    tensor is handed on as the gradient of ``pair``, and only other gradients are stacked.
+    """
+    if pair.dim() < 2 or pair.shape[1] != 2:
+        raise ValueError(f"unbind_pair needs a [L, 2, ...] tensor, got {tuple(pair.shape)}")
+    return _UnbindPair.apply(pair)
 
 
 def multi_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, backend: str = "auto") -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
 from foundation.model.norms import add_branch, apply_residual_layer_norm, deferred_bias, fused_dropout
 from foundation.model.profiling import ATTENTION, profile_region
-from kernels import jagged_cross_attention, jagged_silu_modulate
+from kernels import jagged_cross_attention, jagged_silu_modulate, unbind_pair
 
 
 class PersonalizedFFN(nn.Module):
@@ -159,7 +159,7 @@ class SequenceSummary(nn.Module):
             .expand(batch, s, h, d // h)
             .reshape(batch * s, h, d // h)
         )
-        k, v = self.key_value(normed).view(-1, 2, h, d // h).unbind(1)
+        k, v = unbind_pair(self.key_value(normed).view(-1, 2, h, d // h))
         with profile_region(ATTENTION):
             pooled = jagged_cross_attention(
                 q, k, v, layout.seed_offsets, layout.key_offsets, s, layout.max_keys, activation="softmax"

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels import settings
+from kernels.glue import pair_halves
 from kernels.precompile import recording
 from kernels.spec import AttentionSpec
 from kernels.triton.bias import (
@@ -889,6 +890,17 @@ def _table_grad_buffers(q, pos_bias, time_bias, call, dq_kwargs):
     return (dpb if dpb is not None else dummy, dtb if dtb is not None else dummy), layout, table_grads
 
 
+def _key_value_grads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty dK ``[L, H, D]`` and dV, laid out as their inputs: where ``k`` and ``v`` are the two halves of one
+    ``[L, 2, H, D]`` tensor (a fused key-value projection, unbound), the gradients are the halves of one fresh such
+    tensor, which the kernels fill through their strides: :func:`kernels.unbind_pair` then hands that tensor on
+    as the projection's gradient where ``unbind`` would stack a new one from the two."""
+    if pair_halves(k, v):
+        pair = torch.empty(k.shape[0], 2, *k.shape[1:], device=k.device, dtype=k.dtype)
+        return pair[:, 0], pair[:, 1]
+    return torch.empty_like(k), torch.empty_like(v)
+
+
 class _JaggedAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pos_bias, time_bias, q_offsets, kv_offsets, call):
@@ -917,8 +929,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
         batch, heads = q_offsets.numel() - 1, q.shape[1]
         # Every row belongs to a sequence, so the kernels write every row of dQ, dK and dV.
         dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
+        dk, dv = _key_value_grads(k, v)
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         # The dQ pass indexes the position table without POS_FITS's shortcuts: its time is not bound by the
         # instructions they save, and there they measured slower (docs/benchmarks.md, session 22).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import jagged_silu_modulate, layer_norm
+from kernels import jagged_silu_modulate, layer_norm, unbind_pair
 from kernels.triton import row_modulate
 
 
@@ -250,3 +250,34 @@ def test_teacher_step_is_the_same_on_the_glue_kernels(monkeypatch, interleave):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_unbind_pair_is_unbind_and_stacks_gradients_laid_out_otherwise():
+    """``unbind_pair`` gives ``unbind(1)``'s views; gradients that are not the halves of one tensor (separate
+    tensors, one of them missing, a pair in the other order) are stacked as ``unbind``'s backward does."""
+    g = torch.Generator().manual_seed(0)
+    pair = torch.randn(5, 2, 3, 4, generator=g, requires_grad=True)
+    first, second = unbind_pair(pair)
+    assert first.data_ptr() == pair.data_ptr() and torch.equal(second, pair.detach()[:, 1])
+    da, db = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g)
+    (grad,) = torch.autograd.grad([first, second], [pair], [da, db])
+    torch.testing.assert_close(grad, torch.stack([da, db], 1), rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(unbind_pair(pair)[1], [pair], [db])
+    torch.testing.assert_close(grad, torch.stack([torch.zeros_like(db), db], 1), rtol=0, atol=0)
+    swapped = torch.randn(5, 2, 3, 4, generator=g)
+    first, second = unbind_pair(pair)
+    (grad,) = torch.autograd.grad([first, second], [pair], [swapped[:, 1], swapped[:, 0]])
+    torch.testing.assert_close(grad, swapped.flip(1), rtol=0, atol=0)
+
+
+def test_unbind_pair_hands_on_the_halves_of_one_gradient_tensor():
+    """Gradients that are ``buffer[:, 0]`` and ``buffer[:, 1]`` of one contiguous tensor come back as that tensor."""
+    pair = torch.randn(6, 2, 8, requires_grad=True)
+    buffer = torch.randn(6, 2, 8)
+    (grad,) = torch.autograd.grad(list(unbind_pair(pair)), [pair], [buffer[:, 0], buffer[:, 1]])
+    assert grad.data_ptr() == buffer.data_ptr() and torch.equal(grad, buffer)
+
+
+def test_unbind_pair_rejects_a_tensor_without_a_pair_axis():
+    with pytest.raises(ValueError, match=r"\[L, 2, \.\.\.\]"):
+        unbind_pair(torch.randn(4, 3, 2))

@@ -542,6 +542,32 @@ def test_cross_attention_matches_reference(activation, shape):
         assert torch.equal(results[1][0][rows], torch.zeros_like(results[1][0][rows]))
 
 
+@pytest.mark.parametrize("kv_lens", [[40, 5, 0, 17], [0, 7, 0, 3]])
+def test_cross_attention_on_a_key_value_pair_returns_one_gradient_tensor(kv_lens):
+    """Keys and values unbound from one ``[L, 2, H, D]`` projection (the PMA's): the Triton backward writes dK and
+    dV as the halves of one fresh such tensor, which :func:`kernels.unbind_pair` hands on as the projection's
+    gradient without stacking; gradients against the reference with a plain ``unbind``."""
+    q_lens = [3, 0, 2, 1]
+    g = torch.Generator().manual_seed(5)
+    heads, dim = 2, 16
+    q = torch.randn(sum(q_lens), heads, dim, generator=g).requires_grad_(True)
+    kv = torch.randn(sum(kv_lens), 2 * heads * dim, generator=g).requires_grad_(True)
+    upstream = torch.randn(sum(q_lens), heads, dim, generator=g)
+    q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
+    grads = {}
+    for backend in ("pytorch", "triton"):
+        pair = (kv * 1).view(-1, 2, heads, dim)
+        k, v = pair.unbind(1) if backend == "pytorch" else kernels.unbind_pair(pair)
+        seen = []
+        k.register_hook(seen.append)
+        out = jagged_cross_attention(q, k, v, q_off, kv_off, 3, max(kv_lens), backend=backend)
+        grads[backend] = torch.autograd.grad((out * upstream).sum(), [q, pair])
+        if backend == "triton":
+            dpair = grads[backend][1]
+            assert dpair.is_contiguous() and dpair.data_ptr() == seen[0].data_ptr()
+    _assert_close(grads["triton"], grads["pytorch"], 1e-4, "pair")
+
+
 @pytest.mark.parametrize("deterministic", ["0", "1"])
 @pytest.mark.parametrize(("q_lens", "kv_lens"), [([2, 1], [0, 0]), ([0, 0], [3, 2])])
 def test_cross_attention_with_nothing_to_attend(q_lens, kv_lens, deterministic, monkeypatch):
