@@ -12,6 +12,7 @@ Run it with the Triton of the GPU machine first on ``PYTHONPATH`` (e.g. ``pip in
 triton==3.6.0``); the counts differ between Triton versions.
 
     PYTHONPATH=DIR:. python experiments/kernel_sass.py --kernels fwd dq dkdv --bias both
+    PYTHONPATH=DIR:. python experiments/kernel_sass.py --kernels dq --bias both --maxnreg 168   # registers capped
 
 ``--glue`` reports the glue kernels' backward instead (registers, spills and how many programs an SM holds at each
 launch shape of ``experiments/bench_glue.py --launches``): memory-bound kernels are slowed by too few warps in
@@ -71,6 +72,8 @@ def compile_sm90(fn, constexprs: dict, config: triton.Config):
     sig, attrs = signature(fn, constexprs)
     source = triton.compiler.ASTSource(fn, sig, constexprs, attrs)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -134,7 +137,8 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
     parts = " | ".join(loop_line(name, loop, scores) for name, loop in zip(names, loops, strict=True))
     kernel = f"{kernel}-det" if constexprs.get("DETERMINISTIC") else kernel
     return (f"{kernel:6s} bias={bias:4s} act={act} {config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
-            f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack} | {parts}")
+            f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack}, "
+            f"{resident_programs(regs, config.num_warps)} programs per SM | {parts}")
 
 
 # The glue kernels' backward as the `large` teacher launches them (float32 stream, bf16 activations, width 1,024), at
@@ -207,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--acts", type=int, nargs="+", default=[1], help="1 SiLU, 0 softmax")
     parser.add_argument("--deterministic", action="store_true",
                         help="the biased dQ kernel as GEM_KERNELS_DETERMINISTIC=1 compiles it")
+    parser.add_argument("--maxnreg", type=int, default=None,
+                        help="cap the attention kernels' registers per thread (Triton's maxnreg), to see the spills")
     parser.add_argument("--glue", action="store_true",
                         help="instead: the glue kernels' backward at bench_glue's LAUNCH_SHAPES (registers, residency)")
     args = parser.parse_args(argv)
@@ -220,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         for bias in args.bias:
             for act in args.acts:
                 for config in configs_for(KERNELS[kernel][1], {"HAS_PB": bias != "none"}):
+                    if args.maxnreg:
+                        config = triton.Config(config.kwargs, num_warps=config.num_warps,
+                                               num_stages=config.num_stages, maxnreg=args.maxnreg)
                     print(report(kernel, bias, act, config, args.deterministic), flush=True)
     return 0
 
