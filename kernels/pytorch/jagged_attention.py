@@ -107,6 +107,8 @@ def _attend(
 ) -> torch.Tensor:
     """``scores``/``mask``: [B, H, Nq, Nk]; ``v``: [B, H, Nk, Dv] -> [B, H, Nq, Dv]."""
     if activation == "softmax":
+        if scores.shape[-1] == 0:  # no key in any sequence (max_kv_len = 0): every query reads nothing
+            return scores @ v
         masked = scores.masked_fill(~mask, float("-inf"))
         row_max = masked.amax(dim=-1, keepdim=True).detach()
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)

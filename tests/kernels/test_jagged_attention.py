@@ -568,14 +568,15 @@ def test_cross_attention_on_a_key_value_pair_returns_one_gradient_tensor(kv_lens
     _assert_close(grads["triton"], grads["pytorch"], 1e-4, "pair")
 
 
+@pytest.mark.parametrize("backend", ["triton", "pytorch"])
 @pytest.mark.parametrize("deterministic", ["0", "1"])
 @pytest.mark.parametrize(("q_lens", "kv_lens"), [([2, 1], [0, 0]), ([0, 0], [3, 2])])
-def test_cross_attention_with_nothing_to_attend(q_lens, kv_lens, deterministic, monkeypatch):
+def test_cross_attention_with_nothing_to_attend(q_lens, kv_lens, deterministic, backend, monkeypatch):
     monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", deterministic)
     q = torch.randn(sum(q_lens), 2, 16).requires_grad_(True)
     k = torch.randn(sum(kv_lens), 2, 16).requires_grad_(True)
     v = torch.randn(sum(kv_lens), 2, 16).requires_grad_(True)
-    out = jagged_cross_attention(q, k, v, _offsets(q_lens), _offsets(kv_lens), max(q_lens), max(kv_lens), backend="triton")
+    out = jagged_cross_attention(q, k, v, _offsets(q_lens), _offsets(kv_lens), max(q_lens), max(kv_lens), backend=backend)
     out.sum().backward()
     assert torch.equal(out, torch.zeros_like(out))
     for x in (q, k, v):
