@@ -29,6 +29,7 @@ Works on triton 3.6 (the GPU machine) and 3.9, and on CPU tensors under ``TRITON
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -429,7 +430,7 @@ def _bwd_dq_kernel(
         dtb_ptr = DTB + pid.to(tl.int64) * stride_dtb_rep
     else:
         # Replicated table-gradient accumulators: programs that run together add into different copies.
-        dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * stride_pbh
+        dpb_ptr = DPB + (pid % REPS) * stride_dpb_rep + h * LD
         dtb_ptr = DTB + (pid % REPS) * stride_dtb_rep + h * stride_tbh
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     win_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -834,23 +835,33 @@ def _bias_grad_replicas(programs: int, *tables: torch.Tensor | None) -> int:
 
 
 def _zeros_replicated(
-    reps: int, pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None
+    reps: int, pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None, pos_width: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, Callable[[float], tuple]]:
-    """``[reps, *table.shape]`` float32 zeros per table (None without it), and the function that sums the replicas
-    into the tables' ``scale``-times gradients ``(dpb, dtb)`` (None without a table). Both tables' replicas are
-    views of one ``[reps, P + T]`` buffer: one fill zeroes them, one reduction and one multiply finish them."""
-    tables = [t for t in (pos_bias, time_bias) if t is not None]
-    if not tables:
+    """``[reps, rows, pos_width]`` float32 zeros for the position table ``[rows, P]`` and ``[reps, *table.shape]``
+    for the time table (None without a table), and the function that sums the replicas into the tables'
+    ``scale``-times gradients ``(dpb, dtb)`` (None without a table). A call reaches only the position entries below
+    its longest distance, so the replicas hold ``pos_width <= P`` of them and the rest of the gradient is zero. Both
+    tables' replicas are views of one buffer: one fill zeroes them, one reduction and one multiply finish them."""
+    shapes = [None if pos_bias is None else (pos_bias.shape[0], pos_width),
+              None if time_bias is None else tuple(time_bias.shape)]
+    if shapes == [None, None]:
         return None, None, lambda scale: (None, None)
-    sizes = [t.numel() for t in tables]
-    buffer = torch.zeros(reps, sum(sizes), device=tables[0].device, dtype=torch.float32)
+    sizes = [math.prod(shape) for shape in shapes if shape is not None]
+    device = (pos_bias if pos_bias is not None else time_bias).device
+    buffer = torch.zeros(reps, sum(sizes), device=device, dtype=torch.float32)
 
-    def unpack(flat: torch.Tensor, *lead: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def unpack(flat: torch.Tensor, *lead: int) -> list[torch.Tensor | None]:
         parts = iter(flat.split(sizes, -1))
-        return tuple(next(parts).view(*lead, *t.shape) if t is not None else None for t in (pos_bias, time_bias))
+        return [next(parts).view(*lead, *shape) if shape is not None else None for shape in shapes]
+
+    def finish(scale: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        dpb, dtb = unpack(buffer.sum(0) * scale)
+        if dpb is not None and pos_width < pos_bias.shape[1]:
+            dpb = torch.nn.functional.pad(dpb, (0, pos_bias.shape[1] - pos_width))
+        return dpb, dtb
 
     dpb, dtb = unpack(buffer, reps)
-    return dpb, dtb, lambda scale: unpack(buffer.sum(0) * scale)
+    return dpb, dtb, finish
 
 
 def _table_grad_variant(pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None) -> dict:
@@ -880,9 +891,11 @@ def _table_grad_buffers(q, pos_bias, time_bias, call, dq_kwargs):
                 sum_time_rows(rows, heads, time_bias.shape[0]) * scale if dtb is not None else None,
             )
     else:
+        width = min(pos_bias.shape[1], max(call.max_q_len, call.max_kv_len)) if pos_bias is not None else 0
         reps = _bias_grad_replicas(call.batch * heads, pos_bias, time_bias)
-        dpb, dtb, table_grads = _zeros_replicated(reps, pos_bias, time_bias)
-        layout = dict(REPS=reps, OFF=0, LD=0)
+        dpb, dtb, table_grads = _zeros_replicated(reps, pos_bias, time_bias, width)
+        # LD: a head's row in the position replicas (0 for a table all heads share).
+        layout = dict(REPS=reps, OFF=0, LD=width if pos_bias is not None and pos_bias.shape[0] > 1 else 0)
 
     layout.update(stride_dpb_rep=dpb.stride(0) if dpb is not None else 0,
                   stride_dtb_rep=dtb.stride(0) if dtb is not None else 0)

@@ -344,16 +344,17 @@ def test_bias_table_gradients_for_times_out_of_order_and_every_distance(activati
 @pytest.mark.parametrize("causal", [True, False])
 def test_position_table_longer_than_every_sequence_matches_reference(activation, causal):
     """A position table with an entry for every distance of the call (the teacher's case) lets the kernels drop
-    the clamp to its last entry (``POS_FITS``); with targets, both tables, output and every gradient. The same
-    sequences with a table exactly as long as the longest one (the largest distance is its last entry) too."""
+    the clamp to its last entry (``POS_FITS``) and the backward's table-gradient copies the entries no distance
+    reaches; with targets, both tables, output and every gradient. The same sequences with a table exactly as long
+    as the longest one (the largest distance is its last entry) too, and with one table all heads share."""
     lengths = [45, 3, 0, 38, 17]
-    for pos in (64, 45):
-        t = _inputs(lengths, 2, 16, 16, torch.float32, seed=37, pos=pos, time=12)
+    for pos, shared in ((64, False), (45, False), (64, True)):
+        t = _inputs(lengths, 2, 16, 16, torch.float32, seed=37, pos=pos, time=12, shared_bias=shared)
         kwargs = dict(activation=activation, causal=causal, num_targets=torch.tensor([2, 1, 0, 5, 0]))
         offsets = _offsets(lengths)
         want = _run("pytorch", t, offsets, 45, 5, **kwargs)
         got = _run("triton", t, offsets, 45, 5, **kwargs)
-        _assert_close(got, want, 1e-4, f"table of {pos} {activation} causal={causal}")
+        _assert_close(got, want, 1e-4, f"table of {pos} shared={shared} {activation} causal={causal}")
 
 
 @triton.jit
