@@ -13,7 +13,9 @@ bytes each Triton pass must move over its time against the copy bandwidth.
 
 ``--launches`` instead times each backward alone (one recorded forward, its backward replayed) at the launch shapes
 of :data:`LAUNCH_SHAPES`, the committed one first, set through the kernel modules' constants, with the largest
-relative difference of its gradients from the committed shape's (the sums' order changes): memory-bound kernels
+relative difference of its gradients from the committed shape's (the sums' order changes), as a wall time (host
+included) and as its device kernels' time from the profiler, which is what a CUDA-graphed step pays and the rate is
+taken from (a small backward's wall time is mostly the host's launches): memory-bound kernels
 whose registers limit how many programs an SM holds move their bytes slower (docs/benchmarks.md, session 33), and
 ``python experiments/kernel_sass.py --glue`` counts those registers without a GPU.
 
@@ -35,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from experiments.kernel_groups import kernel_breakdown
 from foundation.data.io import atomic_write_text
 from kernels import jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
 from kernels.triton import layer_norm as triton_layer_norm
@@ -197,8 +200,28 @@ def module_constants(module, values: dict):
             setattr(module, name, value)
 
 
-def time_backward(case: dict, repeats: int) -> tuple[float, list[torch.Tensor]]:
-    """Median ms of the Triton backward of one recorded forward (the graph kept between runs), and its gradients."""
+def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """Milliseconds per call of the device kernels ``fn`` launches (their sum, from the profiler): the time a CUDA
+    graph of the step would spend on them, without the host's launch and autograd overhead that a wall-clock
+    time of one small backward includes. On CPU, the host ops' self time (indicative only)."""
+    fn()
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return kernel_breakdown(prof.events(), on_device=cuda, steps=calls, wall_s=wall)["kernel_ms_per_step"]
+
+
+def time_backward(case: dict, repeats: int) -> tuple[float, float, list[torch.Tensor]]:
+    """Median ms of the Triton backward of one recorded forward (the graph kept between runs), its device kernels'
+    ms per call (:func:`kernel_ms`), and its gradients."""
     out = case["run"]("triton")
     outputs = list(out) if isinstance(out, tuple) else [out]
     upstream = case["upstream"] if isinstance(case["upstream"], list) else [case["upstream"]]
@@ -206,7 +229,7 @@ def time_backward(case: dict, repeats: int) -> tuple[float, list[torch.Tensor]]:
     def backward() -> tuple[torch.Tensor, ...]:
         return torch.autograd.grad(outputs, case["leaves"], upstream, retain_graph=True)
 
-    return median_ms(backward, repeats), list(backward())
+    return median_ms(backward, repeats), kernel_ms(backward), list(backward())
 
 
 def measure_launches(tokens: int, width: int, device: torch.device, rows_count: int, repeats: int) -> list[dict]:
@@ -222,11 +245,12 @@ def measure_launches(tokens: int, width: int, device: torch.device, rows_count: 
         for index, shape in enumerate(shapes):
             with module_constants(module, shape):
                 for name, case in cases[kernel]:
-                    ms, grads = time_backward(case, repeats)
+                    ms, device_ms, grads = time_backward(case, repeats)
                     committed.setdefault(name, grads)
                     error = max(rel_error(a, b) for a, b in zip(grads, committed[name], strict=True))
                     rows.append({"kernel": kernel, "case": name, "shape": shape, "committed": index == 0, "ms": ms,
-                                 "tb_per_s": case["bytes_bwd"] / ms / 1e9 if ms else None,
+                                 "kernel_ms": device_ms,
+                                 "tb_per_s": case["bytes_bwd"] / device_ms / 1e9 if device_ms else None,
                                  "rel_error_vs_committed": error})
                     print(format_launch(rows[-1]), flush=True)
     return rows
@@ -237,7 +261,8 @@ def format_launch(row: dict) -> str:
     rate = f"{row['tb_per_s']:.2f} TB/s" if row["tb_per_s"] else "-"
     mark = " (committed)" if row["committed"] and row["shape"] else ""
     error = f"{row['rel_error_vs_committed']:.1e}" if "rel_error_vs_committed" in row else ""
-    return f"{row['case']:<22}{shape + mark:<58}{row['ms'] * 1e3:>10.1f} us {rate:>12} {error:>9}"
+    kernels = f"{row['kernel_ms'] * 1e3:>10.1f} us" if "kernel_ms" in row else " " * 13
+    return f"{row['case']:<22}{shape + mark:<58}{row['ms'] * 1e3:>10.1f} us {kernels} {rate:>12} {error:>9}"
 
 
 def forward_backward(case: dict, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
