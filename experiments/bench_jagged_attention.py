@@ -467,20 +467,30 @@ def bench_cross(batch: int, padded: bool) -> list[dict]:
 TEACHER = dict(heads=8, dim=128, targets=5, pos_buckets=4102, time_buckets=128)
 
 
-def teacher_batch(lengths: list[int], gen: torch.Generator, biased: bool) -> dict:
-    """Leaves and options of one teacher-shaped self-attention batch (times: cumulative gaps of 0-1 h)."""
+# The teacher's attention variants: which bias tables each has. ``position`` and ``time`` (``--teacher-tables``)
+# split the biased variant's cost between its two tables.
+TEACHER_VARIANTS = {"unbiased": (), "biased": ("position", "time"), "position": ("position",), "time": ("time",)}
+
+
+def teacher_batch(lengths: list[int], gen: torch.Generator, biased: bool = False, tables: tuple = ()) -> dict:
+    """Leaves and options of one teacher-shaped self-attention batch (times: cumulative gaps of 0-1 h), with both
+    bias tables if ``biased``, else those named in ``tables`` (``"position"``, ``"time"``)."""
     heads, dim, total = TEACHER["heads"], TEACHER["dim"], sum(lengths)
+    tables = TEACHER_VARIANTS["biased"] if biased else tables
     q, k, v = leaves(total, heads, dim, dim, gen)
     offsets = offsets_of(lengths)
     options = dict(activation="silu", causal=True,
                    num_targets=torch.clamp(offsets[1:] - offsets[:-1], max=TEACHER["targets"]))
     grads = [q, k, v]
-    if biased:
+    if "position" in tables:
         pb = (0.1 * torch.randn(heads, TEACHER["pos_buckets"], device=DEVICE, generator=gen)).requires_grad_(True)
+        options.update(pos_bias=pb)
+        grads.append(pb)
+    if "time" in tables:
         tb = (0.1 * torch.randn(heads, TEACHER["time_buckets"], device=DEVICE, generator=gen)).requires_grad_(True)
         ts = torch.randint(0, 3600, (total,), device=DEVICE, generator=gen).cumsum(0)
-        options.update(pos_bias=pb, time_bias=tb, timestamps=ts)
-        grads += [pb, tb]
+        options.update(time_bias=tb, timestamps=ts)
+        grads.append(tb)
     return dict(q=q, k=k, v=v, offsets=offsets, n=max(lengths), options=options, grads=grads)
 
 
@@ -549,7 +559,7 @@ def teacher_row(n: int, kind: str, lengths: list[int], rounds: dict) -> dict:
     pairs = valid_pairs(offsets, n, causal=True, num_targets=nt)
     flops = attention_flops(pairs, TEACHER["heads"], TEACHER["dim"], TEACHER["dim"])
     row = {"N": n, "lengths": kind, "B": len(lengths), "tokens": sum(lengths), "pairs": pairs}
-    for variant in ("unbiased", "biased"):
+    for variant in rounds:
         for part, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5)):
             runs = [r[f"{part}_ms"] for r in rounds[variant]]
             ms = statistics.median(runs)
@@ -558,6 +568,8 @@ def teacher_row(n: int, kind: str, lengths: list[int], rounds: dict) -> dict:
             row[f"{variant}_{part}_tflops"] = flops * factor / ms / 1e9
     for part in ("fwd", "bwd", "fwdbwd"):
         row[f"ratio_{part}"] = row[f"biased_{part}_ms"] / row[f"unbiased_{part}_ms"]
+        for variant in set(rounds) - {"unbiased", "biased"}:
+            row[f"{variant}_ratio_{part}"] = row[f"{variant}_{part}_ms"] / row[f"unbiased_{part}_ms"]
     return row
 
 
@@ -566,13 +578,20 @@ def fmt_teacher(r: dict) -> str:
     for part in ("fwd", "bwd", "fwdbwd"):
         parts.append(f"{part} {r[f'unbiased_{part}_ms']:7.3f} -> {r[f'biased_{part}_ms']:7.3f} ms "
                      f"({r[f'unbiased_{part}_tflops']:5.0f} -> {r[f'biased_{part}_tflops']:5.0f} TF, x{r[f'ratio_{part}']:.2f})")
-    return f"teacher N={r['N']:5d} {r['lengths']:6s} B={r['B']:4d} | " + " | ".join(parts)
+    line = f"teacher N={r['N']:5d} {r['lengths']:6s} B={r['B']:4d} | " + " | ".join(parts)
+    for variant in ("position", "time"):
+        if f"{variant}_fwdbwd_ms" in r:
+            line += f"\n  {variant} table only: " + " | ".join(
+                f"{part} {r[f'{variant}_{part}_ms']:7.3f} ms (x{r[f'{variant}_ratio_{part}']:.2f})" for part in ("fwd", "bwd", "fwdbwd"))
+    return line
 
 
 def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, rep: int,
-                  profile: bool = False) -> tuple[list, list]:
-    """Checks, then ``repeats`` rounds of unbiased and biased timings (alternating, so drift hits both); with
-    ``profile`` each row also gets each variant's per-kernel times (:func:`kernel_times`)."""
+                  profile: bool = False, tables: bool = False) -> tuple[list, list]:
+    """Checks, then ``repeats`` rounds of unbiased and biased timings (alternating, so drift hits both), and of each
+    table alone with ``tables``; with ``profile`` each row also gets each variant's per-kernel times
+    (:func:`kernel_times`)."""
+    variants = list(TEACHER_VARIANTS) if tables else ["unbiased", "biased"]
     gen = torch.Generator().manual_seed(5)
     dgen = torch.Generator(DEVICE).manual_seed(5)
     checks, rows = [], []
@@ -582,8 +601,8 @@ def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, re
             print(fmt_check(checks[-1]), flush=True)
         for kind in kinds:
             lengths = make_lengths(kind, max(tokens // n, 1), n, gen)
-            batches = {"unbiased": teacher_batch(lengths, dgen, False), "biased": teacher_batch(lengths, dgen, True)}
-            rounds = {"unbiased": [], "biased": []}
+            batches = {variant: teacher_batch(lengths, dgen, tables=TEACHER_VARIANTS[variant]) for variant in variants}
+            rounds = {variant: [] for variant in variants}
             for _ in range(repeats):
                 for variant, b in batches.items():
                     rounds[variant].append(teacher_times(b, rep))
@@ -642,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-tokens", type=int, default=65536, help="tokens per teacher batch (B = tokens / N)")
     parser.add_argument("--repeats", type=int, default=3, help="teacher timing rounds; rows report their median")
     parser.add_argument("--rep", type=int, default=100, help="do_bench milliseconds per timing")
+    parser.add_argument("--teacher-tables", action="store_true",
+                        help="also time each bias table alone (what each costs of the biased variant's time)")
     parser.add_argument("--kernel-profile", action="store_true",
                         help="teacher rows: also each kernel's time per forward+backward call (torch.profiler)")
     parser.add_argument("--write-tuned", type=str, default=None, metavar="PATH",
@@ -700,7 +721,7 @@ def main_teacher(args, meta: dict) -> int:
         run_parallel(jobs, args.workers)
         print(f"compiled in parallel: {time.perf_counter() - start:.0f} s", flush=True)
     checks, rows = bench_teacher(args.teacher_n, args.teacher_lengths, args.teacher_tokens, args.repeats, args.rep,
-                                 args.kernel_profile)
+                                 args.kernel_profile, args.teacher_tables)
     meta["wall_s"] = time.perf_counter() - start
     if args.write_tuned and DEVICE == "cuda":
         path = Path(args.write_tuned)
