@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from experiments.kernel_groups import kernel_breakdown
+from experiments.kernel_groups import profile_calls
 from foundation.data.io import atomic_write_text
 from kernels import jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
 from kernels.triton import layer_norm as triton_layer_norm
@@ -205,18 +205,7 @@ def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
     graph of the step would spend on them, without the host's launch and autograd overhead that a wall-clock
     time of one small backward includes. On CPU, the host ops' self time (indicative only)."""
     fn()
-    cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    return kernel_breakdown(prof.events(), on_device=cuda, steps=calls, wall_s=wall)["kernel_ms_per_step"]
+    return profile_calls(fn, calls, torch.cuda.is_available())["kernel_ms_per_step"]
 
 
 def time_backward(case: dict, repeats: int) -> tuple[float, float, list[torch.Tensor]]:

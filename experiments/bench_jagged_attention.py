@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from experiments.kernel_groups import kernel_breakdown
+from experiments.kernel_groups import profile_calls
 from kernels.flops import attention_flops, cross_attention_pairs, valid_pairs
 from kernels.pytorch.jagged_attention import (
     jagged_attention as ref_backend,
@@ -535,20 +535,10 @@ def kernel_times(b: dict, calls: int = 5) -> dict[str, float]:
         out = tri_attention(q, k, v, offsets, n, **options)
         upstream = torch.randn_like(out) if upstream is None else upstream
         out.backward(upstream)
-    cuda = DEVICE == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(calls):
-            tri_attention(q, k, v, offsets, n, **options).backward(upstream)
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+    busiest = profile_calls(lambda: tri_attention(q, k, v, offsets, n, **options).backward(upstream), calls,
+                            DEVICE == "cuda")["top_kernels"]
     for x in b["grads"]:
         x.grad = None
-    busiest = kernel_breakdown(prof.events(), on_device=cuda, steps=calls, wall_s=wall)["top_kernels"]
     return {kernel["name"]: kernel["ms_per_step"] for kernel in busiest if kernel["ms_per_step"] > 0}
 
 

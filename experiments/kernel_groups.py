@@ -13,7 +13,11 @@ each op's self time stands in for them (indicative only: the host is the device 
 from __future__ import annotations
 
 import re
+import time
 from collections import defaultdict
+from collections.abc import Callable
+
+import torch
 
 from foundation.model.profiling import ATTENTION, EMBEDDINGS, GENERATIVE
 
@@ -160,3 +164,19 @@ def device_kernel_us(prof) -> dict[str, float]:
         if event.device_type() == DeviceType.CUDA and not event.is_user_annotation():
             totals[event.name()] += (event.end_ns() - event.start_ns()) / 1e3
     return dict(totals)
+
+
+def profile_calls(fn: Callable[[], object], calls: int, on_device: bool) -> dict:
+    """:func:`kernel_breakdown` of ``calls`` calls of ``fn`` under the profiler (its per-step figures are per call);
+    the caller warms ``fn`` up first."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_device else [])
+    if on_device:
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if on_device:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return kernel_breakdown(prof.events(), on_device=on_device, steps=calls, wall_s=wall)
