@@ -535,8 +535,14 @@ def kernel_times(b: dict, calls: int = 5) -> dict[str, float]:
         out = tri_attention(q, k, v, offsets, n, **options)
         upstream = torch.randn_like(out) if upstream is None else upstream
         out.backward(upstream)
-    busiest = profile_calls(lambda: tri_attention(q, k, v, offsets, n, **options).backward(upstream), calls,
-                            DEVICE == "cuda")["top_kernels"]
+
+    def call():
+        # Fresh gradients each call: accumulating into the last call's would add kernels the op does not run.
+        for x in b["grads"]:
+            x.grad = None
+        tri_attention(q, k, v, offsets, n, **options).backward(upstream)
+
+    busiest = profile_calls(call, calls, DEVICE == "cuda")["top_kernels"]
     for x in b["grads"]:
         x.grad = None
     return {kernel["name"]: kernel["ms_per_step"] for kernel in busiest if kernel["ms_per_step"] > 0}
