@@ -472,11 +472,10 @@ TEACHER = dict(heads=8, dim=128, targets=5, pos_buckets=4102, time_buckets=128)
 TEACHER_VARIANTS = {"unbiased": (), "biased": ("position", "time"), "position": ("position",), "time": ("time",)}
 
 
-def teacher_batch(lengths: list[int], gen: torch.Generator, biased: bool = False, tables: tuple = ()) -> dict:
-    """Leaves and options of one teacher-shaped self-attention batch (times: cumulative gaps of 0-1 h), with both
-    bias tables if ``biased``, else those named in ``tables`` (``"position"``, ``"time"``)."""
+def teacher_batch(lengths: list[int], gen: torch.Generator, tables: tuple = ()) -> dict:
+    """Leaves and options of one teacher-shaped self-attention batch (times: cumulative gaps of 0-1 h), with the
+    bias tables named in ``tables`` (``"position"``, ``"time"``; a variant of :data:`TEACHER_VARIANTS`)."""
     heads, dim, total = TEACHER["heads"], TEACHER["dim"], sum(lengths)
-    tables = TEACHER_VARIANTS["biased"] if biased else tables
     q, k, v = leaves(total, heads, dim, dim, gen)
     offsets = offsets_of(lengths)
     options = dict(activation="silu", causal=True,
@@ -497,7 +496,7 @@ def teacher_batch(lengths: list[int], gen: torch.Generator, biased: bool = False
 def teacher_check(n: int, biased: bool, gen: torch.Generator) -> dict:
     """The variant's first call in this process (autotuned or not) against the float32 reference:
     lengths 0, 1, 17, n/3 and n, every gradient."""
-    b = teacher_batch([n, 0, 1, max(n // 3, 2), 17], gen, biased)
+    b = teacher_batch([n, 0, 1, max(n // 3, 2), 17], gen, TEACHER_VARIANTS["biased" if biased else "unbiased"])
     q, k, v, offsets, longest, options = b["q"], b["k"], b["v"], b["offsets"], b["n"], b["options"]
     got = fwd_bwd(lambda: tri_attention(q, k, v, offsets, longest, **options), b["grads"], 3)
     want = fwd_bwd(lambda: ref_attention(q.float(), k.float(), v.float(), offsets, longest, **options), b["grads"], 3)

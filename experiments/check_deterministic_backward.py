@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.DEVICE = args.device
     bench.DTYPE = torch.bfloat16 if args.device == "cuda" else torch.float32
     lengths = bench.make_lengths(args.lengths, max(args.tokens // args.n, 1), args.n, torch.Generator().manual_seed(0))
-    batch = bench.teacher_batch(lengths, torch.Generator(args.device).manual_seed(0), biased=True)
+    batch = bench.teacher_batch(lengths, torch.Generator(args.device).manual_seed(0),
+                                bench.TEACHER_VARIANTS["biased"])
     print(f"teacher attention: N={args.n} {args.lengths} B={len(lengths)} tokens={sum(lengths)}", flush=True)
     first = {}
     for flag in ("0", "1"):

@@ -11,7 +11,7 @@ from experiments import bench_jagged_attention as bench
 def test_kernel_times_split_a_call_by_pass_and_leave_no_gradient_behind(monkeypatch):
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "DTYPE", torch.float32)
-    batch = bench.teacher_batch([5, 3], torch.Generator().manual_seed(0), biased=True)
+    batch = bench.teacher_batch([5, 3], torch.Generator().manual_seed(0), bench.TEACHER_VARIANTS["biased"])
     times = bench.kernel_times(batch, calls=1)
     # The forward and the backward pass each show up, the slowest first.
     assert {"_JaggedAttentionFn", "_JaggedAttentionFnBackward"} <= set(times)
