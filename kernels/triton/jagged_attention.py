@@ -169,11 +169,13 @@ def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
     kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
-    PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr,
+    FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
+    """Key tiles ``[lo, hi)``; ``FAR`` ones (:func:`_far_keys_end`) add the position table's last entry to every score."""
+    pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
@@ -182,7 +184,10 @@ def _fwd_tiles(
         if HAS_PB or HAS_TB:
             ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
             s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr, tb_ptr,
-                            P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX, CAUSAL and not MASKED, POS_FITS)
+                            P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, HAS_TB, PTX, CAUSAL and not MASKED,
+                            POS_FITS)
+            if FAR:
+                s += pb_far
         if ACT == 0:
             if MASKED:
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
@@ -249,6 +254,17 @@ def _key_ranges(m_start, kv_len, n_hist, window, CAUSAL: tl.constexpr, HAS_WINDO
     return lo, full_hi, hi
 
 
+@triton.jit
+def _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N: tl.constexpr):
+    """End of the mask-free key tiles ``[lo, end)`` of a causal query block whose every (query, key) pair is
+    ``P_SIZE - 1`` or more positions apart (targets sit at ``n_hist``): their scores all read the position table's
+    last entry, so those tiles add one number instead of reading the table per score, and their position gradient
+    is one sum. A table shorter than the sequences (exact near distances, one bucket for the far ones) leaves
+    most tiles of a long sequence far."""
+    end = tl.maximum(tl.minimum(m_start, n_hist) - P_SIZE + 2, 0) // BLOCK_N * BLOCK_N
+    return tl.minimum(tl.maximum(end, lo), full_hi)
+
+
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
     Q, K, V, Out, LSE, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB,
@@ -295,19 +311,29 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    near_lo = lo
+    if HAS_PB and CAUSAL and not POS_FITS:
+        near_lo = _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, near_lo,
+            kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0,
+            h * DQK, h * DV,
+            ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, True, FAST, PTX, DQK, DV,
+            BLOCK_DQK, BLOCK_DV, BLOCK_N, TMA,
+        )
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, full_hi,
+        acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, near_lo, full_hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
         h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, TMA,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, False, FAST, PTX, DQK, DV, BLOCK_DQK,
+        BLOCK_DV, BLOCK_N, TMA,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
         h * DV,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, TMA,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, False, FAST, PTX, DQK, DV, BLOCK_DQK,
+        BLOCK_DV, BLOCK_N, TMA,
     )
     if ACT == 0:
         empty = l_i == 0.0
@@ -333,14 +359,18 @@ def _bwd_dq_tiles(
     ts_m, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
     m_start, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr, FAST: tl.constexpr,
+    PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """dQ over key tiles ``[lo, hi)``, and the bias-table gradients of those tiles' scores
     (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
     are summed): by atomics, or ``DETERMINISTIC`` into the program's rows through the position window
-    ``(win_lo, win_hi)`` and the time-table sums ``time_acc``."""
+    ``(win_lo, win_hi)`` and the time-table sums ``time_acc``. ``FAR`` tiles (:func:`_far_keys_end`; atomics only)
+    read the position table's last entry alone: their dS goes into it as one sum over the tiles."""
+    pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
+    far_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
@@ -354,8 +384,10 @@ def _bwd_dq_tiles(
             else:
                 s, bucket, row_bucket, uniform = add_bias_rows(
                     s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-                    bias_scale, HAS_PB, HAS_TB, PTX,
+                    bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
                 )
+                if FAR:
+                    s += pb_far
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
             p = tl.math.exp2(s - lse[:, None])
@@ -368,7 +400,9 @@ def _bwd_dq_tiles(
             ds = tl.where(valid, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq)
         if HAS_PB:
-            if DETERMINISTIC:
+            if FAR:
+                far_rows += tl.sum(ds, 1)
+            elif DETERMINISTIC:
                 win_lo, win_hi = store_position_grad(win_lo, win_hi, ds, m_start, start_n, n_hist, dpb_ptr, OFF, LD,
                                                      HAS_TARGETS, BLOCK_M, BLOCK_N)
             else:
@@ -382,6 +416,9 @@ def _bwd_dq_tiles(
                 tl.atomic_add(dtb_ptr + row_bucket, tl.sum(ds, 1), sem="relaxed")
             else:
                 _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
+    if FAR:
+        if hi > lo:
+            tl.atomic_add(dpb_ptr + P_SIZE - 1, tl.sum(far_rows, 0), sem="relaxed")
     return dq, win_lo, win_hi, time_acc
 
 
@@ -437,18 +474,28 @@ def _bwd_dq_kernel(
     win_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
     time_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    near_lo = lo
+    if HAS_PB and CAUSAL and not DETERMINISTIC:
+        near_lo = _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N)
+        dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
+            dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m,
+            q_ok, ts_m, lo, near_lo, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+            TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
+            ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, True, FAST, PTX, DQK, DV, BLOCK_DQK,
+            BLOCK_DV, BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
+        )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
-        ts_m, lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
+        ts_m, near_lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     if DETERMINISTIC:
@@ -466,14 +513,16 @@ def _bwd_dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom,
     offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
-    PTX: tl.constexpr,
+    HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr,
+    FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products."""
+    """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products. ``FAR`` tiles
+    (:func:`_far_queries_start`) add the position table's last entry to every score."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
@@ -485,8 +534,10 @@ def _bwd_dkdv_tiles(
         if HAS_PB or HAS_TB:
             ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
             s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
-                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX,
+                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
                               CAUSAL and not MASKED, POS_FITS)
+            if FAR:
+                s_t += pb_far
         dp_t = tl.dot(v, tl.trans(do))
         if ACT == 0:
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
@@ -506,6 +557,15 @@ def _bwd_dkdv_tiles(
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
     return dk, dv
+
+
+@triton.jit
+def _far_queries_start(n_start, n_hist, mid, hi, P_SIZE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Start of the mask-free query tiles ``[start, hi)`` of a causal key block whose every pair is ``P_SIZE - 1``
+    or more positions apart (the transpose of :func:`_far_keys_end`); ``hi`` where there are none."""
+    first = n_start + BLOCK_N + P_SIZE - 2
+    start = tl.where(n_hist >= first, tl.cdiv(first, BLOCK_M) * BLOCK_M, hi)
+    return tl.minimum(tl.maximum(start, mid), hi)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -559,15 +619,27 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, False, FAST, PTX, DQK, DV, BLOCK_DQK,
+        BLOCK_DV, BLOCK_M,
     )
+    near_hi = hi
+    if HAS_PB and CAUSAL and not POS_FITS:
+        near_hi = _far_queries_start(n_start, n_hist, mid, hi, P_SIZE, BLOCK_M, BLOCK_N)
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
-        offs_n, ts_n, q_len, mid, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M,
+        offs_n, ts_n, q_len, mid, near_hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE,
+        T_SIZE,
+        ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, False, FAST, PTX, DQK, DV, BLOCK_DQK,
+        BLOCK_DV, BLOCK_M,
     )
+    if HAS_PB and CAUSAL and not POS_FITS:
+        dk, dv = _bwd_dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
+            offs_n, ts_n, q_len, near_hi, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE,
+            T_SIZE,
+            ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, True, FAST, PTX, DQK, DV,
+            BLOCK_DQK, BLOCK_DV, BLOCK_M,
+        )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
              (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DV_ + kv_start * stride_dvm + h * stride_dvh + offs_n[:, None] * stride_dvm + offs_dv[None, :],

@@ -357,6 +357,27 @@ def test_position_table_longer_than_every_sequence_matches_reference(activation,
         _assert_close(got, want, 1e-4, f"table of {pos} shared={shared} {activation} causal={causal}")
 
 
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_position_table_shorter_than_the_sequences_matches_reference(activation, deterministic, monkeypatch):
+    """A short position table (exact near distances, one last entry for every farther pair) leaves most tiles of a
+    long causal sequence far: every pair of theirs reads the last entry, which the kernels add as one number and
+    whose gradient the dQ pass sums per tile (atomics; the deterministic rows keep the per-score path). Tables of 2,
+    17 and 40 entries, per head and shared, with targets and both tables: the output and every gradient against the
+    reference, the last entry's gradient included."""
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1" if deterministic else "0")
+    lengths = [130, 7, 0, 97]
+    for pos, shared in ((2, False), (17, False), (40, True)):
+        t = _inputs(lengths, 2, 16, 16, torch.float32, seed=41, pos=pos, time=20, shared_bias=shared)
+        kwargs = dict(activation=activation, causal=True, num_targets=torch.tensor([3, 1, 0, 6]))
+        offsets = _offsets(lengths)
+        want = _run("pytorch", t, offsets, 130, 7, **kwargs)
+        got = _run("triton", t, offsets, 130, 7, **kwargs)
+        _assert_close(got, want, 1e-4, f"table of {pos} shared={shared} {activation}")
+        last = want[4][:, -1].abs().max().item()
+        assert last > 0 and abs(got[4][:, -1] - want[4][:, -1]).max().item() < 1e-4 * max(last, 1.0)
+
+
 @triton.jit
 def _row_buckets_kernel(TR, TC, OKR, OKC, OUT, FLAG, T_SIZE, M: tl.constexpr, N: tl.constexpr):
     rows, cols = tl.arange(0, M), tl.arange(0, N)
