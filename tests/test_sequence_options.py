@@ -294,3 +294,33 @@ def test_used_negatives_reject_bad_ids():
             build_teacher(cfg, NEXT_ITEM_SCHEMA, negative_items=bad)
     with pytest.raises(ValueError, match="negative_pool"):
         TeacherConfig(negative_pool="popular")
+
+
+# -- position window ----------------------------------------------------------------------------------
+
+
+def test_position_window_is_a_full_table_whose_far_entries_are_one():
+    """``position_window=W`` keeps W exact distances and one bucket for every farther pair: a block with that
+    table computes what a block with an entry for every distance computes when its entries from W on all equal
+    the last one; the teacher's tables get W + 1 entries, the last one learns, and a negative window is refused."""
+    assert tiny_config(position_window=3).pos_buckets == 4
+    assert tiny_config(position_window=10**6).pos_buckets == tiny_config().pos_buckets
+    lengths = [9, 0, 4, 7]
+    x = torch.randn(sum(lengths), 8, dtype=torch.float64)
+    ts = torch.arange(sum(lengths)) * 30
+    short, full = (HSTUBlock(8, 2, 4, 4, dropout=0.0, alpha=1.0, pos_buckets=n, time_buckets=8, attention_norm=9)
+                   for n in (4, 12))
+    full.load_state_dict({k: v for k, v in short.state_dict().items() if k != "pos_bias"}, strict=False)
+    with torch.no_grad():
+        short.pos_bias.copy_(torch.randn(2, 4))
+        full.pos_bias.copy_(torch.cat([short.pos_bias, short.pos_bias[:, -1:].expand(2, 8)], 1))
+    short, full = short.double(), full.double()
+    torch.testing.assert_close(short(x, offsets_of(lengths), 9, ts), full(x, offsets_of(lengths), 9, ts))
+
+    model = build(tiny_config(**HSTU_NEXT_ITEM, position_window=3), NEXT_ITEM_SCHEMA)
+    assert all(block.pos_bias.shape[-1] == 4 for block in model.blocks)
+    batch = make_batch(NEXT_ITEM_SCHEMA, LENGTHS)
+    model.loss(batch, model(batch))["loss"].backward()
+    assert all(block.pos_bias.grad[:, -1].abs().sum() > 0 for block in model.blocks)
+    with pytest.raises(ValueError, match="position_window"):
+        TeacherConfig(position_window=-1)

@@ -39,6 +39,11 @@ class TeacherConfig:
         max_len: the longest history the model is sized for: HSTU's fixed ``1/N`` is
             ``1/(max_len + CLS/target tokens)``; relative-position buckets and the absolute
             position table cover it (longer distances share the last bucket).
+        position_window: relative positions told apart exactly, ``0..position_window - 1``; every farther
+            pair shares one last bucket (T5's relative bias treats far distances alike as well; here the time
+            bias still tells far events apart by their age). ``0``: every distance up to ``max_len`` has its
+            own bucket (HSTU's table). A short window also lets the attention kernels skip the position table
+            on the far tiles of long sequences (kernels/triton/jagged_attention.py).
         time_buckets: log time-difference buckets of the relative time bias (0 disables it).
         query_time: the time a query position measures its time bias from, ``bucket(t_query - ts_j)``
             for key event ``j``: ``target`` is the time of the event the position predicts (the next
@@ -125,6 +130,7 @@ class TeacherConfig:
     value_dim: int = 32
     attn_alpha: float | None = None
     max_len: int = 256
+    position_window: int = 0
     time_buckets: int = 64
     query_time: str = "auto"
     attention_norm: str = "max_len"
@@ -224,6 +230,8 @@ class TeacherConfig:
         self.attention_norm_length(0)
         if self.ffn_hidden < 0:
             raise ValueError(f"teacher.ffn_hidden must be 0 (d_model) or positive, got {self.ffn_hidden}")
+        if self.position_window < 0:
+            raise ValueError(f"teacher.position_window must be 0 (every distance) or positive, got {self.position_window}")
 
     @property
     def num_pooled_tokens(self) -> int:
@@ -254,8 +262,10 @@ class TeacherConfig:
 
     @property
     def pos_buckets(self) -> int:
-        """Relative-position buckets: every distance inside a full sequence plus its CLS/target tokens."""
-        return self.max_len + self.num_cls + 2
+        """Relative-position buckets: every distance inside a full sequence plus its CLS/target tokens, or the
+        ``position_window`` exact ones and one for every farther pair."""
+        every = self.max_len + self.num_cls + 2
+        return min(every, self.position_window + 1) if self.position_window else every
 
     def replace(self, **changes) -> TeacherConfig:
         return dataclasses.replace(self, **changes)

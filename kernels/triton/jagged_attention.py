@@ -417,8 +417,7 @@ def _bwd_dq_tiles(
             else:
                 _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
     if FAR:
-        if hi > lo:
-            tl.atomic_add(dpb_ptr + P_SIZE - 1, tl.sum(far_rows, 0), sem="relaxed")
+        tl.atomic_add(dpb_ptr + P_SIZE - 1, tl.sum(far_rows, 0), sem="relaxed")
     return dq, win_lo, win_hi, time_acc
 
 
