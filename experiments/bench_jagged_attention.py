@@ -468,13 +468,16 @@ TEACHER = dict(heads=8, dim=128, targets=5, pos_buckets=4102, time_buckets=128)
 
 
 # The teacher's attention variants: which bias tables each has. ``position`` and ``time`` (``--teacher-tables``)
-# split the biased variant's cost between its two tables.
-TEACHER_VARIANTS = {"unbiased": (), "biased": ("position", "time"), "position": ("position",), "time": ("time",)}
+# split the biased variant's cost between its two tables; ``window`` (``--teacher-position-window``) is the biased
+# variant with a position table of that many exact distances and one bucket for the farther ones.
+TEACHER_VARIANTS = {"unbiased": (), "biased": ("position", "time"), "position": ("position",), "time": ("time",),
+                    "window": ("position", "time")}
 
 
-def teacher_batch(lengths: list[int], gen: torch.Generator, tables: tuple = ()) -> dict:
+def teacher_batch(lengths: list[int], gen: torch.Generator, tables: tuple = (), position_window: int = 0) -> dict:
     """Leaves and options of one teacher-shaped self-attention batch (times: cumulative gaps of 0-1 h), with the
-    bias tables named in ``tables`` (``"position"``, ``"time"``; a variant of :data:`TEACHER_VARIANTS`)."""
+    bias tables named in ``tables`` (``"position"``, ``"time"``; a variant of :data:`TEACHER_VARIANTS`); a position
+    table of ``position_window + 1`` entries where that is set (the teacher's ``position_window``)."""
     heads, dim, total = TEACHER["heads"], TEACHER["dim"], sum(lengths)
     q, k, v = leaves(total, heads, dim, dim, gen)
     offsets = offsets_of(lengths)
@@ -482,7 +485,8 @@ def teacher_batch(lengths: list[int], gen: torch.Generator, tables: tuple = ()) 
                    num_targets=torch.clamp(offsets[1:] - offsets[:-1], max=TEACHER["targets"]))
     grads = [q, k, v]
     if "position" in tables:
-        pb = (0.1 * torch.randn(heads, TEACHER["pos_buckets"], device=DEVICE, generator=gen)).requires_grad_(True)
+        size = position_window + 1 if position_window else TEACHER["pos_buckets"]
+        pb = (0.1 * torch.randn(heads, size, device=DEVICE, generator=gen)).requires_grad_(True)
         options.update(pos_bias=pb)
         grads.append(pb)
     if "time" in tables:
@@ -493,17 +497,19 @@ def teacher_batch(lengths: list[int], gen: torch.Generator, tables: tuple = ()) 
     return dict(q=q, k=k, v=v, offsets=offsets, n=max(lengths), options=options, grads=grads)
 
 
-def teacher_check(n: int, biased: bool, gen: torch.Generator) -> dict:
+def teacher_check(n: int, biased: bool, gen: torch.Generator, position_window: int = 0) -> dict:
     """The variant's first call in this process (autotuned or not) against the float32 reference:
     lengths 0, 1, 17, n/3 and n, every gradient."""
-    b = teacher_batch([n, 0, 1, max(n // 3, 2), 17], gen, TEACHER_VARIANTS["biased" if biased else "unbiased"])
+    b = teacher_batch([n, 0, 1, max(n // 3, 2), 17], gen, TEACHER_VARIANTS["biased" if biased else "unbiased"],
+                      position_window)
     q, k, v, offsets, longest, options = b["q"], b["k"], b["v"], b["offsets"], b["n"], b["options"]
     got = fwd_bwd(lambda: tri_attention(q, k, v, offsets, longest, **options), b["grads"], 3)
     want = fwd_bwd(lambda: ref_attention(q.float(), k.float(), v.float(), offsets, longest, **options), b["grads"], 3)
     names = ["out", "dq", "dk", "dv", "dpos", "dtime"][: len(got)]
     errs = {nm: rel_err(a, w) for nm, a, w in zip(names, got, want, strict=True)}
     finite = all(torch.isfinite(a).all().item() for a in got)
-    return {"case": f"teacher N={n} {'biased' if biased else 'unbiased'}", "errors": errs, "finite": finite}
+    name = f"window {position_window}" if position_window else "biased" if biased else "unbiased"
+    return {"case": f"teacher N={n} {name}", "errors": errs, "finite": finite}
 
 
 def teacher_times(b: dict, rep: int) -> dict:
@@ -574,19 +580,20 @@ def fmt_teacher(r: dict) -> str:
         parts.append(f"{part} {r[f'unbiased_{part}_ms']:7.3f} -> {r[f'biased_{part}_ms']:7.3f} ms "
                      f"({r[f'unbiased_{part}_tflops']:5.0f} -> {r[f'biased_{part}_tflops']:5.0f} TF, x{r[f'ratio_{part}']:.2f})")
     line = f"teacher N={r['N']:5d} {r['lengths']:6s} B={r['B']:4d} | " + " | ".join(parts)
-    for variant in ("position", "time"):
+    for variant, what in (("position", "position table only"), ("time", "time table only"),
+                          ("window", "short position table")):
         if f"{variant}_fwdbwd_ms" in r:
-            line += f"\n  {variant} table only: " + " | ".join(
+            line += f"\n  {what}: " + " | ".join(
                 f"{part} {r[f'{variant}_{part}_ms']:7.3f} ms (x{r[f'{variant}_ratio_{part}']:.2f})" for part in ("fwd", "bwd", "fwdbwd"))
     return line
 
 
 def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, rep: int,
-                  profile: bool = False, tables: bool = False) -> tuple[list, list]:
-    """Checks, then ``repeats`` rounds of unbiased and biased timings (alternating, so drift hits both), and of each
-    table alone with ``tables``; with ``profile`` each row also gets each variant's per-kernel times
-    (:func:`kernel_times`)."""
-    variants = list(TEACHER_VARIANTS) if tables else ["unbiased", "biased"]
+                  profile: bool = False, tables: bool = False, position_window: int = 0) -> tuple[list, list]:
+    """Checks, then ``repeats`` rounds of unbiased and biased timings (alternating, so drift hits both), of each
+    table alone with ``tables`` and of a ``position_window`` table where that is set; with ``profile`` each row also
+    gets each variant's per-kernel times (:func:`kernel_times`)."""
+    variants = ["unbiased", "biased"] + (["position", "time"] if tables else []) + (["window"] if position_window else [])
     gen = torch.Generator().manual_seed(5)
     dgen = torch.Generator(DEVICE).manual_seed(5)
     checks, rows = [], []
@@ -594,9 +601,13 @@ def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, re
         for biased in (False, True):
             checks.append(teacher_check(n, biased, dgen))
             print(fmt_check(checks[-1]), flush=True)
+        if position_window:
+            checks.append(teacher_check(n, True, dgen, position_window))
+            print(fmt_check(checks[-1]), flush=True)
         for kind in kinds:
             lengths = make_lengths(kind, max(tokens // n, 1), n, gen)
-            batches = {variant: teacher_batch(lengths, dgen, tables=TEACHER_VARIANTS[variant]) for variant in variants}
+            batches = {variant: teacher_batch(lengths, dgen, TEACHER_VARIANTS[variant],
+                                              position_window if variant == "window" else 0) for variant in variants}
             rounds = {variant: [] for variant in variants}
             for _ in range(repeats):
                 for variant, b in batches.items():
@@ -658,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=100, help="do_bench milliseconds per timing")
     parser.add_argument("--teacher-tables", action="store_true",
                         help="also time each bias table alone (what each costs of the biased variant's time)")
+    parser.add_argument("--teacher-position-window", type=int, default=0, metavar="W",
+                        help="also time the biased attention with a position table of W exact distances and one "
+                             "bucket for the farther ones (the teacher's position_window)")
     parser.add_argument("--kernel-profile", action="store_true",
                         help="teacher rows: also each kernel's time per forward+backward call (torch.profiler)")
     parser.add_argument("--write-tuned", type=str, default=None, metavar="PATH",
@@ -716,7 +730,7 @@ def main_teacher(args, meta: dict) -> int:
         run_parallel(jobs, args.workers)
         print(f"compiled in parallel: {time.perf_counter() - start:.0f} s", flush=True)
     checks, rows = bench_teacher(args.teacher_n, args.teacher_lengths, args.teacher_tokens, args.repeats, args.rep,
-                                 args.kernel_profile, args.teacher_tables)
+                                 args.kernel_profile, args.teacher_tables, args.teacher_position_window)
     meta["wall_s"] = time.perf_counter() - start
     if args.write_tuned and DEVICE == "cuda":
         path = Path(args.write_tuned)

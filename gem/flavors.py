@@ -195,6 +195,9 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
         attn_dim=128,
         value_dim=128,
         max_len=4096,
+        # The last 128 events' distances exact, one bucket for the farther ones (whose age the time bias still
+        # tells apart): the attention kernels skip the position table on the far tiles (docs/benchmarks.md).
+        position_window=128,
         time_buckets=128,
         num_cls=4,
         num_pma_seeds=8,
