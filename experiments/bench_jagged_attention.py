@@ -463,7 +463,8 @@ def bench_cross(batch: int, padded: bool) -> list[dict]:
 
 
 # The ``large`` teacher's attention (foundation/model/teacher_config.py): 8 heads of 128, SiLU, causal,
-# num_cls=4 CLS tokens plus the candidate as targets, position buckets max_len + num_cls + 2, 128 time buckets.
+# num_cls=4 CLS tokens plus the candidate as targets, 128 time buckets, and HSTU's position table of every distance
+# (max_len + num_cls + 2 buckets; the flavor's own since session 38 is ``--teacher-position-window 128``).
 TEACHER = dict(heads=8, dim=128, targets=5, pos_buckets=4102, time_buckets=128)
 
 

@@ -38,6 +38,8 @@ Plans (``--plan``, repeatable; each run once per ``--seeds`` seed):
   ``sequences-one-shard``): 7 groups, 21 runs at 3 seeds;
 - ``reference-large``: ``ml1m_hstu_large``: the default and ``rel_bias=shared`` (which only matters with
   several heads) on ``sequences``, :data:`ALL_REFERENCE` on ``sequences-one-shard``: 9 runs at 3 seeds.
+- ``position-window``: ``ml1m_hstu_large`` and ``ml1m_hstu`` on ``ratings``, the full position table against
+  ``position_window=32`` (exact distances up to 31, one bucket for the farther ones).
 - ``realtime``: real against positional time, paired: ``ml1m_hstu`` and ``ml1m_hstu_large`` on ``ratings`` and on
   ``sequences``; run with ``--users 2999`` so that both arms hold the same users, sequences and targets (only the
   times differ). ``realtime-more``: its controls, ``sasrec`` on both arms (it reads no time) and
@@ -176,11 +178,14 @@ def plan_runs(plan: str, seeds: list[int]) -> list[RunSpec]:
         return [RunSpec("sasrec", seed, data) for data in ("ratings", "sequences") for seed in seeds] + _variants(
             "ml1m_hstu_large", "ratings", [(("time_buckets=0",), {})], seeds
         )
+    if plan == "position-window":
+        window = [((), {}), (("position_window=32",), {})]
+        return _variants("ml1m_hstu_large", "ratings", window, seeds) + _variants("ml1m_hstu", "ratings", window, seeds)
     raise ValueError(f"unknown plan {plan!r}; choose one of {PLANS}")
 
 
 PLANS = ("calibration", "timebias", "timebias-large", "suspects", "reference", "reference-large", "realtime",
-         "realtime-more")
+         "realtime-more", "position-window")
 
 
 def load_runs(path: Path) -> list[RunSpec]:
