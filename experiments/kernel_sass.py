@@ -45,8 +45,11 @@ I32_POINTERS = {"ORDER", "TS", "QTS"}
 I64_POINTERS = {"Q_OFF", "KV_OFF", "NT"}
 FLOATS = {"alpha", "inv_n"}
 SHOWN = ["HGMMA", "MUFU", "LDG", "LDS", "STS", "REDG", "SHFL", "BAR", "STL", "LDL"]
-# The kernels' tile loops in the order their sources call them (kernels/triton/jagged_attention.py).
+# The kernels' tile loops in the order their sources call them (kernels/triton/jagged_attention.py), without and
+# with the far tiles of a position table shorter than the sequences (the dQ pass compiles that loop for any table).
 LOOP_ORDER = {"fwd": ("mask-free", "masked"), "dq": ("mask-free", "masked"), "dkdv": ("masked", "mask-free")}
+FAR_LOOP_ORDER = {"fwd": ("far", "mask-free", "masked"), "dq": ("far", "mask-free", "masked"),
+                  "dkdv": ("masked", "mask-free", "far")}
 
 
 def signature(fn, constexprs: dict) -> tuple[dict, dict]:
@@ -119,11 +122,14 @@ def resource_usage(compiled) -> tuple[int, int, str]:
     return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)), sass
 
 
-def report(kernel: str, bias: str, act: int, config: triton.Config, deterministic: bool = False) -> str:
+def report(kernel: str, bias: str, act: int, config: triton.Config, deterministic: bool = False,
+           full_table: bool = False) -> str:
+    """One variant's registers, stack and tile loops; ``full_table``: a position table with an entry for every
+    distance (HSTU's; ``POS_FITS``), else the ``large`` teacher's ``position_window`` table."""
     fn, _ = KERNELS[kernel]
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
-                      HAS_TB=bias != "none", POS_FITS=bias != "none", FAST=True, PTX=True, DQK=128, DV=128, BLOCK_DQK=128, BLOCK_DV=128,
-                      **config.kwargs)
+                      HAS_TB=bias != "none", POS_FITS=bias != "none" and full_table, FAST=True, PTX=True, DQK=128,
+                      DV=128, BLOCK_DQK=128, BLOCK_DV=128, **config.kwargs)
     if kernel == "fwd":
         constexprs["TMA"] = True
     if kernel == "dq":
@@ -132,7 +138,8 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
         constexprs.update(DETERMINISTIC=deterministic and bias != "none", BLOCK_T=128 if deterministic else 16)
     regs, stack, sass = resource_usage(compile_sm90(fn, constexprs, config))
     loops = tile_loops(sass)
-    names = LOOP_ORDER[kernel] if len(loops) == len(LOOP_ORDER[kernel]) else [f"loop {i}" for i in range(len(loops))]
+    names = next((order[kernel] for order in (LOOP_ORDER, FAR_LOOP_ORDER) if len(order[kernel]) == len(loops)),
+                 [f"loop {i}" for i in range(len(loops))])
     scores = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] / (32 * config.num_warps)
     parts = " | ".join(loop_line(name, loop, scores) for name, loop in zip(names, loops, strict=True))
     kernel = f"{kernel}-det" if constexprs.get("DETERMINISTIC") else kernel
@@ -211,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--acts", type=int, nargs="+", default=[1], help="1 SiLU, 0 softmax")
     parser.add_argument("--deterministic", action="store_true",
                         help="the biased dQ kernel as GEM_KERNELS_DETERMINISTIC=1 compiles it")
+    parser.add_argument("--full-position-table", action="store_true",
+                        help="a position table with an entry for every distance (HSTU's) instead of the large "
+                             "teacher's position_window table, whose far tiles run a loop of their own")
     parser.add_argument("--maxnreg", type=int, default=None,
                         help="cap the attention kernels' registers per thread (Triton's maxnreg), to see the spills")
     parser.add_argument("--glue", action="store_true",
@@ -229,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.maxnreg:
                         config = triton.Config(config.kwargs, num_warps=config.num_warps,
                                                num_stages=config.num_stages, maxnreg=args.maxnreg)
-                    print(report(kernel, bias, act, config, args.deterministic), flush=True)
+                    print(report(kernel, bias, act, config, args.deterministic, args.full_position_table),
+                          flush=True)
     return 0
 
 
