@@ -14,7 +14,9 @@ score and table (4.3e9 per layer at N=4,096, B=32, H=8) was what made the biased
 (docs/benchmarks.md), so the dQ pass reduces each tile first:
 
 - position: the entry depends on the tile's diagonal only, so the tile's dS is reduced to diagonal
-  sums (:func:`add_position_grad`): a few atomics per diagonal instead of one per score;
+  sums (:func:`add_position_grad`): a few atomics per diagonal instead of one per score. A tile whose
+  every pair lies past the table's last entry reads that entry alone, and the dQ pass sums its dS
+  into it once per program (:mod:`kernels.triton.jagged_attention`'s far tiles);
 - time: along a row of a tile the bucket changes rarely except near the diagonal, so each row's
   two most common buckets are summed first, one atomic per row each (:func:`add_time_grad`); only
   the other scores add themselves. A mask-free tile whose every row holds one bucket

@@ -6,7 +6,10 @@ sequences come most pairs first (:func:`_program`). Programs past the end of the
 return at once, and the costliest causal blocks of each sequence start first, so short sequences
 fill the gaps that the long ones leave. Key tiles that no mask can
 touch (inside the causal triangle, inside the history, inside the sequence) run a mask-free
-loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block.
+loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block. With a
+position table shorter than the sequences (the teacher's ``position_window``), the mask-free tiles
+whose every pair lies past the table's last entry run a third loop that adds that entry as one
+number (:func:`_far_keys_end`, :func:`_far_queries_start`).
 
 Backward: one program per key block accumulates dK and dV over its query blocks; a second
 kernel, one program per query block, computes dQ (no atomics) and the bias-table gradients
