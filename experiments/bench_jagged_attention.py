@@ -681,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a dry run under TRITON_INTERPRET=1 (use tiny --teacher-n/--teacher-tokens)")
     args = parser.parse_args(argv)
+    if args.teacher_position_window < 0:
+        parser.error(f"--teacher-position-window must be 0 (HSTU's full table) or positive, got {args.teacher_position_window}")
     global DEVICE, DTYPE
     DEVICE = args.device
     # The interpreter computes through numpy, which has no bfloat16.
