@@ -37,11 +37,12 @@ from kernels.triton import layer_norm as triton_layer_norm
 from kernels.triton import row_modulate as triton_row_modulate
 from kernels.triton import silu_split as triton_silu_split
 from kernels.triton.configs import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, configs_for
+from kernels.triton.time_tiles import TILE_K_GPU, TILE_Q_GPU
 
 KERNELS = {"fwd": (attn._fwd_kernel, FWD_CONFIGS), "dq": (attn._bwd_dq_kernel, DQ_CONFIGS),
            "dkdv": (attn._bwd_dkdv_kernel, DKDV_CONFIGS)}
 FP32_POINTERS = {"LSE", "DELTA", "PB", "TB", "DPB", "DTB"}
-I32_POINTERS = {"ORDER", "TS", "QTS"}
+I32_POINTERS = {"ORDER", "TS", "QTS", "INFO", "FLAGS"}
 I64_POINTERS = {"Q_OFF", "KV_OFF", "NT"}
 FLOATS = {"alpha", "inv_n"}
 SHOWN = ["HGMMA", "MUFU", "LDG", "LDS", "STS", "REDG", "SHFL", "BAR", "STL", "LDL"]
@@ -61,7 +62,7 @@ def signature(fn, constexprs: dict) -> tuple[dict, dict]:
         elif name in FLOATS:
             sig[name] = "fp32"
         elif name[0].islower() or name in (
-            "P_SIZE", "T_SIZE", "H", "N_BUCKET", "AVG_BUCKET", "ROWS", "REPS", "L_Q", "L_KV", "OFF", "LD"
+            "P_SIZE", "T_SIZE", "H", "N_BUCKET", "AVG_BUCKET", "ROWS", "REPS", "L_Q", "L_KV", "OFF", "LD", "NQB", "NKT"
         ):
             sig[name] = "i32"
         else:
@@ -123,13 +124,17 @@ def resource_usage(compiled) -> tuple[int, int, str]:
 
 
 def report(kernel: str, bias: str, act: int, config: triton.Config, deterministic: bool = False,
-           full_table: bool = False) -> str:
+           full_table: bool = False, split: bool = True) -> str:
     """One variant's registers, stack and tile loops; ``full_table``: a position table with an entry for every
-    distance (HSTU's; ``POS_FITS``), else the ``large`` teacher's ``position_window`` table."""
+    distance (HSTU's; ``POS_FITS``), else the ``large`` teacher's ``position_window`` table; ``split``: the forward's
+    and dK/dV's split time buckets (:mod:`kernels.triton.time_tiles`), whose branch their mask-free loops then hold
+    beside the per-score buckets (both counted)."""
     fn, _ = KERNELS[kernel]
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
                       HAS_TB=bias != "none", POS_FITS=bias != "none" and full_table, FAST=True, PTX=True, DQK=128,
                       DV=128, BLOCK_DQK=128, BLOCK_DV=128, **config.kwargs)
+    if kernel != "dq":
+        constexprs.update(SPLIT=split and bias != "none", TILE_Q=TILE_Q_GPU, TILE_K=TILE_K_GPU[kernel == "dkdv"])
     if kernel == "fwd":
         constexprs["TMA"] = True
     if kernel == "dq":
@@ -221,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-position-table", action="store_true",
                         help="a position table with an entry for every distance (HSTU's) instead of the large "
                              "teacher's position_window table, whose far tiles run a loop of their own")
+    parser.add_argument("--no-split-time", action="store_true",
+                        help="without the split time buckets (kernel switch time_tiles off)")
     parser.add_argument("--maxnreg", type=int, default=None,
                         help="cap the attention kernels' registers per thread (Triton's maxnreg), to see the spills")
     parser.add_argument("--glue", action="store_true",
@@ -239,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.maxnreg:
                         config = triton.Config(config.kwargs, num_warps=config.num_warps,
                                                num_stages=config.num_stages, maxnreg=args.maxnreg)
-                    print(report(kernel, bias, act, config, args.deterministic, args.full_position_table),
+                    print(report(kernel, bias, act, config, args.deterministic, args.full_position_table,
+                                 not args.no_split_time),
                           flush=True)
     return 0
 

@@ -23,6 +23,9 @@ field               environment variable          meaning
                                                   (``0``/``1``)
 ``glue_backend``    ``GEM_GLUE_BACKEND``          what ``backend="auto"`` calls of :mod:`kernels.glue`
                                                   (fused LayerNorm, row modulation) run, as ``backend``
+``time_tiles``      ``GEM_KERNELS_TIME_TILES``    the attention's time buckets planned once per batch and
+                                                  split per row (:mod:`kernels.triton.time_tiles`);
+                                                  off: every score takes its own (``0``/``1``)
 ==================  ============================  =====================================================
 """
 
@@ -40,6 +43,7 @@ ENVIRONMENT = {
     "autotune": "GEM_KERNELS_AUTOTUNE",
     "fast_sigmoid": "GEM_KERNELS_FAST_SIGMOID",
     "glue_backend": "GEM_GLUE_BACKEND",
+    "time_tiles": "GEM_KERNELS_TIME_TILES",
 }
 _FLAGS = {"0": False, "1": True}
 
@@ -54,6 +58,7 @@ class KernelSettings:
     autotune: bool = True
     fast_sigmoid: bool = True
     glue_backend: str = "auto"
+    time_tiles: bool = True
 
     def __post_init__(self) -> None:
         for field in ("backend", "glue_backend"):
@@ -134,6 +139,11 @@ def fast_sigmoid() -> bool:
     return _flag("fast_sigmoid", _applied.fast_sigmoid)
 
 
+def time_tiles() -> bool:
+    """The effective ``time_tiles`` switch."""
+    return _flag("time_tiles", _applied.time_tiles)
+
+
 def effective_kernel_settings() -> KernelSettings:
     """The switches the kernels use now: the applied settings with the environment's overrides."""
     return KernelSettings(
@@ -143,6 +153,7 @@ def effective_kernel_settings() -> KernelSettings:
         autotune=autotune(),
         fast_sigmoid=fast_sigmoid(),
         glue_backend=glue_backend(),
+        time_tiles=time_tiles(),
     )
 
 

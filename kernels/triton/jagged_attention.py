@@ -66,6 +66,16 @@ from kernels.triton.configs import (
     prune,
 )
 from kernels.triton.per_batch import per_batch
+from kernels.triton.time_tiles import (
+    MAX_TIME_BUCKETS,
+    TILE_K_CPU,
+    TILE_K_GPU,
+    add_split_time,
+    build_time_tiles,
+    split_fields,
+    split_time_bias,
+    split_time_info,
+)
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -74,7 +84,8 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 # Arguments that change with the batch's contents: specializing on their divisibility would
 # recompile the kernels for batches of the same shape.
 _NO_SPECIALIZE = [
-    "stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV", "OFF", "LD"
+    "stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV", "OFF", "LD",
+    "NQB", "NKT",
 ]
 
 
@@ -171,24 +182,43 @@ def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, 
 def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
     kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
+    INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr,
     FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Key tiles ``[lo, hi)``; ``FAR`` ones (:func:`_far_keys_end`) add the position table's last entry to every score."""
     pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
+    USE_SPLIT: tl.constexpr = SPLIT and not MASKED
+    if USE_SPLIT:
+        ok_next, info_next = split_time_info(INFO, FLAGS, b, m_start, _clamp_key(lo, kv_len), q_start + offs_m, q_ok,
+                                             NQB, NKT, L_Q, BLOCK_M, TILE_Q, TILE_K)
+        first_next, last_next = split_time_bias(info_next, tb_ptr, bias_scale, PTX)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
+        if USE_SPLIT:
+            split_ok, info, first_bias, last_bias = ok_next, info_next, first_next, last_next
+            ok_next, info_next = split_time_info(INFO, FLAGS, b, m_start, _clamp_key(start_n + BLOCK_N, kv_len),
+                                                 q_start + offs_m, q_ok, NQB, NKT, L_Q, BLOCK_M, TILE_Q, TILE_K)
+        else:
+            split_ok: tl.constexpr = False
         k, v = _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
                         TMA, MASKED, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
-            s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr, tb_ptr,
-                            P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, HAS_TB, PTX, CAUSAL and not MASKED,
-                            POS_FITS)
+            if split_ok:
+                _, _, split = split_fields(info, start_n, TILE_K)
+                s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], offs_n[None, :], pb_ptr,
+                                tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX, CAUSAL, POS_FITS)
+                s = add_split_time(s, offs_n, split, first_bias, last_bias, False)
+            else:
+                ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
+                s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr,
+                                tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
+                                CAUSAL and not MASKED, POS_FITS)
             if FAR:
                 s += pb_far
         if ACT == 0:
@@ -208,7 +238,15 @@ def _fwd_tiles(
                 valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
                 p = tl.where(valid, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
+        if USE_SPLIT:
+            first_next, last_next = split_time_bias(info_next, tb_ptr, bias_scale, PTX)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _clamp_key(n, kv_len):
+    """A key position inside the sequence, for the loads one tile ahead past a loop's last tile."""
+    return tl.maximum(tl.minimum(n, kv_len - 1), 0)
 
 
 @triton.jit
@@ -270,14 +308,15 @@ def _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
-    Q, K, V, Out, LSE, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB,
+    Q, K, V, Out, LSE, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, INFO, FLAGS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
     stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
-    L_Q, L_KV,
+    L_Q, L_KV, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr, TILE_Q: tl.constexpr,
+    TILE_K: tl.constexpr,
 ):
     _, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
@@ -314,29 +353,31 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    # The split time buckets (kernels/triton/time_tiles.py) serve key tiles inside one of the plan's.
+    SPLIT_N: tl.constexpr = SPLIT and TILE_K % BLOCK_N == 0
     near_lo = lo
     if HAS_PB and CAUSAL and not POS_FITS:
         near_lo = _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N)
         acc, m_i, l_i = _fwd_tiles(
             acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, near_lo,
             kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0,
-            h * DQK, h * DV,
+            h * DQK, h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
             ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, True, FAST, PTX, DQK, DV,
-            BLOCK_DQK, BLOCK_DV, BLOCK_N, TMA,
+            BLOCK_DQK, BLOCK_DV, BLOCK_N, TMA, SPLIT_N, TILE_Q, TILE_K, BLOCK_M,
         )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, near_lo, full_hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
-        h * DV,
+        h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, False, FAST, PTX, DQK, DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_N, TMA,
+        BLOCK_DV, BLOCK_N, TMA, SPLIT_N, TILE_Q, TILE_K, BLOCK_M,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
-        h * DV,
+        h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, False, FAST, PTX, DQK, DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_N, TMA,
+        BLOCK_DV, BLOCK_N, TMA, SPLIT_N, TILE_Q, TILE_K, BLOCK_M,
     )
     if ACT == 0:
         empty = l_i == 0.0
@@ -514,30 +555,47 @@ def _bwd_dq_kernel(
 def _bwd_dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom,
     offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+    INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr,
     FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products. ``FAR`` tiles
     (:func:`_far_queries_start`) add the position table's last entry to every score."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
+    USE_SPLIT: tl.constexpr = SPLIT and not MASKED
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
+        if USE_SPLIT:
+            # Loaded in the tile that uses them: carried one tile ahead, as the forward does, they spilled registers
+            # and made this pass slower (docs/benchmarks.md).
+            split_ok, info = split_time_info(INFO, FLAGS, b, start_m, n_start, q_start + offs_m, m_ok, NQB, NKT, L_Q,
+                                             BLOCK_M, TILE_Q, TILE_K)
+            first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
+        else:
+            split_ok: tl.constexpr = False
         q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None],
                       mask=m_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :],
                      mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
-            ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
-            s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
-                              pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
-                              CAUSAL and not MASKED, POS_FITS)
+            if split_ok:
+                _, _, split = split_fields(info, n_start, TILE_K)
+                s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, offs_m[None, :], offs_n[:, None],
+                                  pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX, CAUSAL,
+                                  POS_FITS)
+                s_t = add_split_time(s_t, offs_n, split, first_bias, last_bias, True)
+            else:
+                ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
+                s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
+                                  pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
+                                  CAUSAL and not MASKED, POS_FITS)
             if FAR:
                 s_t += pb_far
         dp_t = tl.dot(v, tl.trans(do))
@@ -572,14 +630,14 @@ def _far_queries_start(n_start, n_hist, mid, hi, P_SIZE, BLOCK_M: tl.constexpr, 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV_, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB,
+    Q, K, V, DO, DK, DV_, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, INFO, FLAGS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_lse_h, stride_pbh, stride_tbh,
-    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS,
+    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS, L_Q, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     _, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
@@ -607,6 +665,8 @@ def _bwd_dkdv_kernel(
         if HAS_TARGETS:
             full_lo = tl.where(n_start + BLOCK_N <= n_hist, full_lo, hi)
     mid = tl.minimum(tl.maximum(full_lo, lo), hi)
+    # Split time buckets (kernels/triton/time_tiles.py) where this key block lies inside one of the plan's tiles.
+    SPLIT_N: tl.constexpr = SPLIT and TILE_K % BLOCK_N == 0
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     q_base = Q + q_start * stride_qm + h * stride_qh
@@ -621,8 +681,9 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+        INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, False, FAST, PTX, DQK, DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_M,
+        BLOCK_DV, BLOCK_M, SPLIT_N, TILE_Q, TILE_K,
     )
     near_hi = hi
     if HAS_PB and CAUSAL and not POS_FITS:
@@ -630,17 +691,17 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, mid, near_hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE,
-        T_SIZE,
+        T_SIZE, INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, False, FAST, PTX, DQK, DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_M,
+        BLOCK_DV, BLOCK_M, SPLIT_N, TILE_Q, TILE_K,
     )
     if HAS_PB and CAUSAL and not POS_FITS:
         dk, dv = _bwd_dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
             offs_n, ts_n, q_len, near_hi, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE,
-            T_SIZE,
+            T_SIZE, INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
             ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, True, FAST, PTX, DQK, DV,
-            BLOCK_DQK, BLOCK_DV, BLOCK_M,
+            BLOCK_DQK, BLOCK_DV, BLOCK_M, SPLIT_N, TILE_Q, TILE_K,
         )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
              (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -735,14 +796,28 @@ class _KernelCall:
         )
 
 
-_DUMMIES: dict[torch.device, torch.Tensor] = {}
+_DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _dummy(device: torch.device) -> torch.Tensor:
-    """A float32 placeholder for pointer arguments a variant never reads (one per device)."""
-    if device not in _DUMMIES:
-        _DUMMIES[device] = torch.zeros(1, device=device, dtype=torch.float32)
-    return _DUMMIES[device]
+def _dummy(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A placeholder for pointer arguments a variant never reads (one per device and dtype)."""
+    if (device, dtype) not in _DUMMIES:
+        _DUMMIES[device, dtype] = torch.zeros(1, device=device, dtype=dtype)
+    return _DUMMIES[device, dtype]
+
+
+def _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide: bool) -> tuple[tuple, dict]:
+    """The ``(INFO, FLAGS)`` pointers and the arguments of the split time buckets
+    (:mod:`kernels.triton.time_tiles`): the batch's plan at the forward's key-tile width, or dK/dV's
+    (``wide``); placeholders and ``SPLIT=False`` without a time table or with the switch off."""
+    if time_bias is None or call.timestamps is None or time_bias.shape[1] > MAX_TIME_BUCKETS or not settings.time_tiles():
+        dummy = _dummy(q.device, torch.int32)
+        return (dummy, dummy), dict(NQB=1, NKT=1, SPLIT=False, TILE_Q=16, TILE_K=16)
+    ts = call.timestamps
+    qts = call.query_timestamps if call.query_timestamps is not None else ts
+    plan = build_time_tiles(ts, qts, q_offsets, kv_offsets, call.max_q_len, call.max_kv_len, time_bias.shape[1],
+                            (TILE_K_GPU if q.is_cuda else TILE_K_CPU)[wide])
+    return (plan.info, plan.flags), {**plan.kernel_args(), "SPLIT": True}
 
 
 def _common_args(q, k, v, pb, tb, call):
@@ -998,12 +1073,13 @@ class _JaggedAttentionFn(torch.autograd.Function):
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         order = _longest_first(q_offsets, kv_offsets)
         if batch * heads > 0 and call.max_q_len > 0:
-            args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
+            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=False)
+            args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
             tma = _use_tma(q, k, v)
             _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
-                    {**scalars, **meta, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda)
+                    {**scalars, **meta, **split, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda)
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias)
         ctx.call = call
         return out
@@ -1043,12 +1119,13 @@ class _JaggedAttentionFn(torch.autograd.Function):
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
             _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
                     {**dq_kwargs, **tables}, q.is_cuda)
-            dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb,
+            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=True)
+            dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                          lse.stride(0))
             _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", call.max_kv_len, batch * heads, dkdv_args,
-                    {**scalars, **meta}, q.is_cuda)
+                    {**scalars, **meta, **split, "L_Q": q.shape[0]}, q.is_cuda)
         # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
         table_scale = 1.0 if call.act == "softmax" else scalars["inv_n"]
         dpb, dtb = table_grads(table_scale)

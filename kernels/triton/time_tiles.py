@@ -1,0 +1,158 @@
+"""Time buckets per (row, key tile), computed once per batch so the attention passes skip them per score.
+
+The time bias of a score is ``time_bias[h, bucket(qts_i - ts_j)]``: per score a subtraction, a logarithm, a
+clamp, an address and a table read. Those instructions bound the biased tiles (docs/benchmarks.md), yet the
+buckets are the same for every head, every layer and every pass of a step: only the table differs. For times
+in order, a row's buckets along a key tile fall as the keys' times rise, and away from the diagonal a tile
+spans a small part of the row's distance to it, so most rows of most tiles hold at most two buckets, the
+first key's and the last key's, split at one key. :func:`build_time_tiles` finds, for every ``TILE_Q`` rows
+and ``TILE_K`` keys of a sequence, whether each row has that form, and stores per (row, key tile)
+
+    ``info = first | last << 8 | split << 16``  (``split``: keys of the tile in bucket ``first``)
+
+and per (row block, key tile) a flag: every row of the block has the form. A forward or dK/dV tile that lies
+inside flagged blocks then adds ``where(key < split, time_bias[first], time_bias[last])``: two table reads per
+row and a compare and a select per score (:func:`add_split_time`). Other tiles take the per-score buckets.
+Exact: the same bucket function on the same int32 times decides both; nothing assumes the times are in order,
+only the flags' hit rate does. The dQ pass keeps its own per-row path (:func:`kernels.triton.bias.add_bias_rows`):
+with the split rows and their two gradient sums per row it measured slower (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.bias import gather, time_bucket
+from kernels.triton.per_batch import per_batch
+
+# Row-block heights of the flags; a pass's query tile covers one or several blocks (or lies inside one).
+TILE_Q_GPU = 64
+TILE_Q_CPU = 16
+# Key-tile widths: a pass tile of ``BLOCK_N`` keys uses the plan whose width ``BLOCK_N`` divides. The forward takes
+# the narrow one (its biased tiles have 32-64 keys), dK/dV the wide one (64-128 keys).
+TILE_K_GPU = (64, 128)
+TILE_K_CPU = (32, 32)
+# ``first`` and ``last`` are packed in 8 bits each.
+MAX_TIME_BUCKETS = 256
+
+
+@dataclass(frozen=True)
+class TimeTiles:
+    """One batch's plan at one key-tile width: ``info[NKT, L_Q]`` int32 (module doc) and ``flags[B, NQB, NKT]``
+    int32 (1: every row of the ``TILE_Q`` block has the two-bucket form in that key tile)."""
+
+    info: torch.Tensor
+    flags: torch.Tensor
+    tile_q: int
+    tile_k: int
+
+    def kernel_args(self) -> dict:
+        return dict(NQB=self.flags.shape[1], NKT=self.flags.shape[2], TILE_Q=self.tile_q, TILE_K=self.tile_k)
+
+
+@triton.jit
+def _time_tiles_kernel(TS, QTS, Q_OFF, KV_OFF, INFO, FLAGS, T_SIZE, L_Q, NQB, NKT,
+                       PTX: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr):
+    kt = tl.program_id(0)
+    qb = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(Q_OFF + b)
+    q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(KV_OFF + b)
+    kv_len = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
+    m0 = qb * TILE_Q
+    n0 = kt * TILE_K
+    flag = FLAGS + (b * NQB + qb) * NKT + kt
+    if m0 >= q_len:
+        # No row: a pass's tile that reaches past the sequence is decided by its rows inside it.
+        tl.store(flag, 1)
+        return
+    if n0 >= kv_len:
+        return
+    rows = m0 + tl.arange(0, TILE_Q)
+    cols = n0 + tl.arange(0, TILE_K)
+    rows_ok = rows < q_len
+    cols_ok = cols < kv_len
+    ts_q = tl.load(QTS + q_start + rows, mask=rows_ok, other=0)
+    ts_k = tl.load(TS + kv_start + cols, mask=cols_ok, other=0)
+    bucket = time_bucket(ts_q[:, None] - ts_k[None, :], T_SIZE, PTX)
+    last_col = tl.minimum(n0 + TILE_K, kv_len) - 1
+    first = tl.sum(tl.where(cols[None, :] == n0, bucket, 0), 1)
+    last = tl.sum(tl.where(cols[None, :] == last_col, bucket, 0), 1)
+    split = tl.sum(((bucket == first[:, None]) & cols_ok[None, :]).to(tl.int32), 1)
+    want = tl.where(cols[None, :] < n0 + split[:, None], first[:, None], last[:, None])
+    bad = rows_ok[:, None] & cols_ok[None, :] & (bucket != want)
+    tl.store(INFO + kt * L_Q + q_start + rows, first | (last << 8) | (split << 16), mask=rows_ok)
+    tl.store(flag, (tl.max(tl.max(bad.to(tl.int32), 1), 0) == 0).to(tl.int32))
+
+
+def _build(ts: torch.Tensor, qts: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int,
+           max_kv_len: int, t_size: int, tile_q: int, tile_k: int, on_cuda: bool) -> TimeTiles:
+    batch = q_offsets.numel() - 1
+    # Room for the widest pass tile past a sequence's last row block (those blocks are flagged).
+    nqb = triton.cdiv(max_q_len, tile_q) + 256 // tile_q
+    nkt = triton.cdiv(max_kv_len, tile_k)
+    info = torch.zeros(nkt, qts.numel(), device=ts.device, dtype=torch.int32)
+    flags = torch.zeros(batch, nqb, nkt, device=ts.device, dtype=torch.int32)
+    if batch > 0 and nkt > 0:
+        _time_tiles_kernel[(nkt, nqb, batch)](
+            ts, qts, q_offsets, kv_offsets, info, flags, t_size, qts.numel(), nqb, nkt,
+            PTX=on_cuda, TILE_Q=tile_q, TILE_K=tile_k, num_warps=4,
+        )
+    return TimeTiles(info, flags, tile_q, tile_k)
+
+
+def build_time_tiles(ts: torch.Tensor, qts: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
+                     max_q_len: int, max_kv_len: int, t_size: int, tile_k: int) -> TimeTiles:
+    """The plan of a batch's int32 relative key times ``ts[L_KV]`` and query times ``qts[L_Q]``
+    (:func:`kernels.triton.jagged_attention.relative_timestamps`) for a ``t_size``-entry time table at key tiles of
+    ``tile_k``; computed once per batch and width (:mod:`kernels.triton.per_batch`), then shared by every layer."""
+    on_cuda = ts.is_cuda
+    tile_q = TILE_Q_GPU if on_cuda else TILE_Q_CPU
+    return per_batch(
+        f"time_tiles_{tile_k}", (ts, qts, q_offsets, kv_offsets),
+        lambda: _build(ts, qts, q_offsets, kv_offsets, max_q_len, max_kv_len, t_size, tile_q, tile_k, on_cuda),
+        extra=(max_q_len, max_kv_len, t_size),
+    )
+
+
+@triton.jit
+def split_time_info(INFO, FLAGS, b, m_start, n_start, rows, rows_ok, NQB, NKT, L_Q, BLOCK_M: tl.constexpr,
+                    TILE_Q: tl.constexpr, TILE_K: tl.constexpr):
+    """``(ok, info[M])`` of query rows ``[m_start, m_start + BLOCK_M)`` of sequence ``b`` (global row indices
+    ``rows[M]``) in the key tile holding ``n_start``: whether every row has the two-bucket form there (the flags of
+    the row blocks the rows cover, or lie inside), and each row's packed buckets and split. The passes load these
+    one tile ahead: the loads' latency then hides behind a tile's work instead of stalling it."""
+    kt = n_start // TILE_K
+    base = FLAGS + (b * NQB + m_start // TILE_Q) * NKT + kt
+    ok = tl.load(base)
+    for i in tl.static_range(1, BLOCK_M // TILE_Q):
+        ok = ok & tl.load(base + i * NKT)
+    return ok != 0, tl.load(INFO + kt * L_Q + rows, mask=rows_ok, other=0)
+
+
+@triton.jit
+def split_time_bias(info, tb_ptr, scale, PTX: tl.constexpr):
+    """The time-table entries of each row's two buckets, times ``scale``: ``(first_bias[M], last_bias[M])``."""
+    return gather(tb_ptr, info & 255, PTX) * scale, gather(tb_ptr, (info >> 8) & 255, PTX) * scale
+
+
+@triton.jit
+def split_fields(info, n_start, TILE_K: tl.constexpr):
+    """``(first[M], last[M], split[M])`` of packed rows in the key tile holding ``n_start``; ``split`` is the first
+    key (sequence-relative) in bucket ``last``."""
+    return info & 255, (info >> 8) & 255, n_start // TILE_K * TILE_K + (info >> 16)
+
+
+@triton.jit
+def add_split_time(s, keys, split, first_bias, last_bias, KEYS_ON_ROWS: tl.constexpr):
+    """``s`` plus each score's time bias from its row's split: ``keys`` are the tile's key positions and the
+    per-query vectors come from :func:`split_time_rows`; ``KEYS_ON_ROWS``: a transposed ``[keys, queries]`` tile."""
+    if KEYS_ON_ROWS:
+        return s + tl.where(keys[:, None] < split[None, :], first_bias[None, :], last_bias[None, :])
+    else:
+        return s + tl.where(keys[None, :] < split[:, None], first_bias[:, None], last_bias[:, None])

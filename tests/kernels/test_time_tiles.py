@@ -1,0 +1,105 @@
+"""The batch's time-bucket plan (kernels/triton/time_tiles.py) and the attention passes that read it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import jagged_attention
+from kernels.pytorch.jagged_attention import time_bucket
+from kernels.triton.jagged_attention import relative_timestamps
+from kernels.triton.time_tiles import TILE_K_CPU, TILE_Q_CPU, build_time_tiles
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths]).cumsum(0)
+
+
+def _times(lengths: list[int], gen: torch.Generator, order: str) -> torch.Tensor:
+    """Per sequence: ``sorted`` gaps of 0-1 h, a ``burst`` (sorted, with a jump of a year mid-sequence), or
+    ``shuffled`` (the sorted times in random order)."""
+    parts = []
+    for n in lengths:
+        t = torch.randint(0, 3600, (n,), generator=gen).cumsum(0)
+        if order == "burst":
+            t[n // 2:] += 3600 * 24 * 365
+        if order == "shuffled":
+            t = t[torch.randperm(n, generator=gen)]
+        parts.append(t)
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("order", ["sorted", "burst", "shuffled"])
+def test_plan_flags_exactly_the_tiles_whose_rows_split_in_two(order):
+    """Per (row block, key tile): flagged iff every valid row's buckets are its first key's up to a split and its
+    last key's after it; per flagged row the packed (first, last, split) give back every bucket of the tile. The
+    buckets are the reference's (``kernels.pytorch.jagged_attention.time_bucket``)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths, size = [150, 33, 0, 70], 40
+    offsets = _offsets(lengths)
+    ts = relative_timestamps(_times(lengths, gen, order), offsets)
+    plan = build_time_tiles(ts, ts, offsets, offsets, max(lengths), max(lengths), size, TILE_K_CPU[0])
+    tq, tk = TILE_Q_CPU, TILE_K_CPU[0]
+    flagged = 0
+    for b, n in enumerate(lengths):
+        t = ts[offsets[b]: offsets[b + 1]].to(torch.int64)
+        buckets = time_bucket(t[:, None] - t[None, :], size)
+        for qb in range(plan.flags.shape[1]):
+            for kt in range(-(-n // tk)):
+                rows, cols = slice(qb * tq, min((qb + 1) * tq, n)), slice(kt * tk, min((kt + 1) * tk, n))
+                tile = buckets[rows, cols]
+                if tile.numel() == 0:
+                    assert qb * tq < n or plan.flags[b, qb, kt] == 1
+                    continue
+                first, last = tile[:, :1], tile[:, -1:]
+                split = (tile == first).sum(1, keepdim=True)
+                keys = torch.arange(tile.shape[1])[None, :]
+                two = bool((torch.where(keys < split, first, last) == tile).all())
+                assert bool(plan.flags[b, qb, kt]) == two, (order, b, qb, kt)
+                if two:
+                    flagged += 1
+                    info = plan.info[kt, offsets[b] + rows.start: offsets[b] + rows.stop]
+                    got = torch.where(keys < (info >> 16)[:, None], (info & 255)[:, None], ((info >> 8) & 255)[:, None])
+                    assert torch.equal(got.to(torch.int64), tile)
+    if order != "shuffled":
+        assert flagged > 10
+
+
+def _attention(t, offsets, n, **options):
+    leaves = [t[k] for k in ("q", "k", "v", "pos_bias", "time_bias")]
+    for x in leaves:
+        x.grad = None
+    out = jagged_attention(t["q"], t["k"], t["v"], offsets, n, pos_bias=t["pos_bias"], time_bias=t["time_bias"],
+                           timestamps=t["timestamps"], **options)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
+    return [out.detach()] + [x.grad.clone() for x in leaves]
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_split_time_buckets_give_the_per_score_result(activation, order, monkeypatch):
+    """With the plan (the forward's and dK/dV's flagged tiles add each row's two table entries) the output and
+    every gradient equal the per-score buckets' (switch off) to rounding and match the reference; a short position
+    table and targets ride along. ``sorted`` times take the split path in most mask-free tiles, ``shuffled`` in
+    almost none."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [150, 7, 0, 97]
+    offsets = _offsets(lengths)
+    total = sum(lengths)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).requires_grad_(True)
+
+    t = dict(q=leaf(total, 2, 16), k=leaf(total, 2, 16), v=leaf(total, 2, 16), pos_bias=leaf(2, 20),
+             time_bias=leaf(2, 40), timestamps=_times(lengths, gen, order))
+    options = dict(activation=activation, causal=True, num_targets=torch.tensor([3, 1, 0, 6]))
+    want = _attention(t, offsets, 150, backend="pytorch", **options)
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("GEM_KERNELS_TIME_TILES", switch)
+        runs[switch] = _attention(t, offsets, 150, backend="triton", **options)
+    for got, off, ref, name in zip(runs["1"], runs["0"], want, ["out", "dq", "dk", "dv", "dpos", "dtime"],
+                                   strict=True):
+        scale = max(ref.abs().max().item(), 1.0)
+        assert (got - off).abs().max().item() <= 1e-5 * scale, name
+        assert (got - ref).abs().max().item() <= 1e-4 * scale, name
