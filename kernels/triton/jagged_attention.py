@@ -67,14 +67,19 @@ from kernels.triton.configs import (
 )
 from kernels.triton.per_batch import per_batch
 from kernels.triton.time_tiles import (
+    FLAG_MIXED,
+    FLAG_ONE,
+    FLAG_SPLIT,
     MAX_TIME_BUCKETS,
     TILE_K_CPU,
     TILE_K_GPU,
     add_split_time,
+    add_split_time_grad,
     build_time_tiles,
     split_fields,
+    split_flag,
+    split_rows,
     split_time_bias,
-    split_time_info,
 )
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
@@ -182,7 +187,7 @@ def _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, 
 def _fwd_tiles(
     acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, hi,
     kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, col_k, col_v,
-    INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
+    INFO, FLAGS, b, m_start, q_start, q_ok, q_len, L_Q, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr,
     FAST: tl.constexpr, PTX: tl.constexpr,
@@ -194,15 +199,15 @@ def _fwd_tiles(
     pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
     USE_SPLIT: tl.constexpr = SPLIT and not MASKED
     if USE_SPLIT:
-        ok_next, info_next = split_time_info(INFO, FLAGS, b, m_start, _clamp_key(lo, kv_len), q_start + offs_m, q_ok,
-                                             NQB, NKT, L_Q, BLOCK_M, TILE_Q, TILE_K)
+        flag_next, info_next = _split_ahead(INFO, FLAGS, b, m_start, _clamp_key(lo, kv_len), q_start + offs_m, q_ok,
+                                            q_len, NQB, NKT, L_Q, BLOCK_M, TILE_Q, TILE_K)
         first_next, last_next = split_time_bias(info_next, tb_ptr, bias_scale, PTX)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_SPLIT:
-            split_ok, info, first_bias, last_bias = ok_next, info_next, first_next, last_next
-            ok_next, info_next = split_time_info(INFO, FLAGS, b, m_start, _clamp_key(start_n + BLOCK_N, kv_len),
-                                                 q_start + offs_m, q_ok, NQB, NKT, L_Q, BLOCK_M, TILE_Q, TILE_K)
+            split_ok, info, first_bias, last_bias = flag_next != FLAG_MIXED, info_next, first_next, last_next
+            flag_next, info_next = _split_ahead(INFO, FLAGS, b, m_start, _clamp_key(start_n + BLOCK_N, kv_len),
+                                                q_start + offs_m, q_ok, q_len, NQB, NKT, L_Q, BLOCK_M, TILE_Q, TILE_K)
         else:
             split_ok: tl.constexpr = False
         k, v = _load_kv(k_base, v_base, stride_km, stride_vm, k_desc, v_desc, row0, col_k, col_v, start_n, kv_len,
@@ -241,6 +246,15 @@ def _fwd_tiles(
         if USE_SPLIT:
             first_next, last_next = split_time_bias(info_next, tb_ptr, bias_scale, PTX)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _split_ahead(INFO, FLAGS, b, m_start, n_start, rows, rows_ok, q_len, NQB, NKT, L_Q, BLOCK_M: tl.constexpr,
+                 TILE_Q: tl.constexpr, TILE_K: tl.constexpr):
+    """The forward's plan of a key tile, ``(flag, info[M])``, loaded a tile ahead of its use so that the loads'
+    latency hides behind a tile's work (one program per SM leaves no other warps to hide it)."""
+    return (split_flag(FLAGS, b, m_start, n_start, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K),
+            split_rows(INFO, rows, rows_ok, n_start, L_Q, TILE_K))
 
 
 @triton.jit
@@ -361,21 +375,21 @@ def _fwd_kernel(
         acc, m_i, l_i = _fwd_tiles(
             acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, lo, near_lo,
             kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0,
-            h * DQK, h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
+            h * DQK, h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, q_len, L_Q, NQB, NKT,
             ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, True, FAST, PTX, DQK, DV,
             BLOCK_DQK, BLOCK_DV, BLOCK_N, TMA, SPLIT_N, TILE_Q, TILE_K, BLOCK_M,
         )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, near_lo, full_hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
-        h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
+        h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, q_len, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, False, FAST, PTX, DQK, DV, BLOCK_DQK,
         BLOCK_DV, BLOCK_N, TMA, SPLIT_N, TILE_Q, TILE_K, BLOCK_M,
     )
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, ts_m, tl.maximum(full_hi, lo), hi,
         kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE, k_desc, v_desc, row0, h * DQK,
-        h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, L_Q, NQB, NKT,
+        h * DV, INFO, FLAGS, b, m_start, q_start, q_ok, q_len, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, False, FAST, PTX, DQK, DV, BLOCK_DQK,
         BLOCK_DV, BLOCK_N, TMA, SPLIT_N, TILE_Q, TILE_K, BLOCK_M,
     )
@@ -401,12 +415,13 @@ def _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, 
 def _bwd_dq_tiles(
     dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
     ts_m, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
-    m_start, OFF, LD,
+    m_start, OFF, LD, INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr, FAST: tl.constexpr,
     PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
+    SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """dQ over key tiles ``[lo, hi)``, and the bias-table gradients of those tiles' scores
     (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
@@ -426,10 +441,31 @@ def _bwd_dq_tiles(
                 s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
                                      pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
             else:
-                s, bucket, row_bucket, uniform = add_bias_rows(
-                    s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-                    bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
-                )
+                if SPLIT and HAS_TB:
+                    flag = split_flag(FLAGS, b, m_start, start_n, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K)
+                else:
+                    flag: tl.constexpr = FLAG_MIXED
+                if flag != FLAG_MIXED:
+                    # The plan's rows: one or two table entries per row, and no per-score bucket.
+                    info = split_rows(INFO, q_start + offs_m, q_ok, start_n, L_Q, TILE_K)
+                    first, last, split = split_fields(info, start_n, TILE_K)
+                    first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
+                    s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
+                                         pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX)
+                    uniform = flag == FLAG_ONE
+                    if uniform:
+                        s += first_bias[:, None]
+                    else:
+                        s = add_split_time(s, offs_n, split, first_bias, last_bias, False)
+                    row_bucket = first
+                else:
+                    s, bucket, row_bucket, uniform = add_bias_rows(
+                        s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+                        bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
+                    )
+                    first = row_bucket
+                    last = row_bucket
+                    split = row_bucket
                 if FAR:
                     s += pb_far
         dp = tl.dot(do, tl.trans(v))
@@ -458,6 +494,8 @@ def _bwd_dq_tiles(
                 _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
             elif uniform:
                 tl.atomic_add(dtb_ptr + row_bucket, tl.sum(ds, 1), sem="relaxed")
+            elif flag == FLAG_SPLIT:
+                add_split_time_grad(ds, offs_n, first, last, split, dtb_ptr)
             else:
                 _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
     if FAR:
@@ -467,14 +505,15 @@ def _bwd_dq_tiles(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB, INFO, FLAGS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
-    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD,
+    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD, L_Q, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
+    SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     pid, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
@@ -517,6 +556,9 @@ def _bwd_dq_kernel(
     win_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
     time_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    # The plan's time buckets (kernels/triton/time_tiles.py) for key tiles inside one of its tiles; the deterministic
+    # time rows sum by bucket.
+    SPLIT_N: tl.constexpr = SPLIT and TILE_K % BLOCK_N == 0 and not DETERMINISTIC
     near_lo = lo
     if HAS_PB and CAUSAL and not DETERMINISTIC:
         near_lo = _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N)
@@ -524,22 +566,25 @@ def _bwd_dq_kernel(
             dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m,
             q_ok, ts_m, lo, near_lo, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
             TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
+            INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
             ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, True, FAST, PTX, DQK, DV, BLOCK_DQK,
-            BLOCK_DV, BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
+            BLOCK_DV, BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, SPLIT_N, TILE_Q, TILE_K,
         )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, near_lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
+        INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, SPLIT_N, TILE_Q, TILE_K,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
+        INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, SPLIT_N, TILE_Q, TILE_K,
     )
     if DETERMINISTIC:
         if HAS_PB:
@@ -572,11 +617,9 @@ def _bwd_dkdv_tiles(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
         if USE_SPLIT:
-            # Loaded in the tile that uses them: carried one tile ahead, as the forward does, they spilled registers
+            # Loaded in the tile that uses it: carried one tile ahead, as the forward does, the plan spilled registers
             # and made this pass slower (docs/benchmarks.md).
-            split_ok, info = split_time_info(INFO, FLAGS, b, start_m, n_start, q_start + offs_m, m_ok, NQB, NKT, L_Q,
-                                             BLOCK_M, TILE_Q, TILE_K)
-            first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
+            split_ok = split_flag(FLAGS, b, start_m, n_start, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K) != FLAG_MIXED
         else:
             split_ok: tl.constexpr = False
         q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None],
@@ -586,7 +629,9 @@ def _bwd_dkdv_tiles(
         s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
             if split_ok:
+                info = split_rows(INFO, q_start + offs_m, m_ok, n_start, L_Q, TILE_K)
                 _, _, split = split_fields(info, n_start, TILE_K)
+                first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
                 s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, offs_m[None, :], offs_n[:, None],
                                   pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX, CAUSAL,
                                   POS_FITS)
@@ -810,13 +855,14 @@ def _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide: bool) -> t
     """The ``(INFO, FLAGS)`` pointers and the arguments of the split time buckets
     (:mod:`kernels.triton.time_tiles`): the batch's plan at the forward's key-tile width, or dK/dV's
     (``wide``); placeholders and ``SPLIT=False`` without a time table or with the switch off."""
-    if time_bias is None or call.timestamps is None or time_bias.shape[1] > MAX_TIME_BUCKETS or not settings.time_tiles():
+    planned = time_bias is not None and call.timestamps is not None and time_bias.shape[1] <= MAX_TIME_BUCKETS
+    if not planned or not settings.time_tiles():
         dummy = _dummy(q.device, torch.int32)
         return (dummy, dummy), dict(NQB=1, NKT=1, SPLIT=False, TILE_Q=16, TILE_K=16)
     ts = call.timestamps
     qts = call.query_timestamps if call.query_timestamps is not None else ts
     plan = build_time_tiles(ts, qts, q_offsets, kv_offsets, call.max_q_len, call.max_kv_len, time_bias.shape[1],
-                            (TILE_K_GPU if q.is_cuda else TILE_K_CPU)[wide])
+                            call.causal, (TILE_K_GPU if q.is_cuda else TILE_K_CPU)[wide])
     return (plan.info, plan.flags), {**plan.kernel_args(), "SPLIT": True}
 
 
@@ -1114,11 +1160,12 @@ class _JaggedAttentionFn(torch.autograd.Function):
         else:
             # The dQ pass's autotuner zeroes the table-gradient accumulators around each trial; they are
             # written by that pass only, so no earlier output is among them.
+            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=False)
             dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       *tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
             _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
-                    {**dq_kwargs, **tables}, q.is_cuda)
+                    {**dq_kwargs, **tables, **split, "L_Q": q.shape[0]}, q.is_cuda)
             tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=True)
             dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -10,12 +10,12 @@ and ``TILE_K`` keys of a sequence, whether each row has that form, and stores pe
 
     ``info = first | last << 8 | split << 16``  (``split``: keys of the tile in bucket ``first``)
 
-and per (row block, key tile) a flag: every row of the block has the form. A forward or dK/dV tile that lies
-inside flagged blocks then adds ``where(key < split, time_bias[first], time_bias[last])``: two table reads per
-row and a compare and a select per score (:func:`add_split_time`). Other tiles take the per-score buckets.
-Exact: the same bucket function on the same int32 times decides both; nothing assumes the times are in order,
-only the flags' hit rate does. The dQ pass keeps its own per-row path (:func:`kernels.triton.bias.add_bias_rows`):
-with the split rows and their two gradient sums per row it measured slower (docs/benchmarks.md).
+and per (row block, key tile) a flag: every row of the block has the form (``FLAG_SPLIT``), every row holds one
+bucket (``FLAG_ONE``), or neither (``FLAG_MIXED``). A tile that lies inside blocks of form then adds
+``where(key < split, time_bias[first], time_bias[last])``: two table reads per row and a compare and a select per
+score (:func:`add_split_time`), and the dQ pass adds each row's sums into the gradient's two entries (one where
+every row holds one bucket). Other tiles take the per-score buckets. Exact: the same bucket function on the same
+int32 times decides both; nothing assumes the times are in order, only the flags' hit rate does.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ TILE_K_GPU = (64, 128)
 TILE_K_CPU = (32, 32)
 # ``first`` and ``last`` are packed in 8 bits each.
 MAX_TIME_BUCKETS = 256
+# A (row block, key tile)'s flag: some row holds other buckets; every row splits in two; every row holds one.
+FLAG_MIXED = tl.constexpr(0)
+FLAG_SPLIT = tl.constexpr(1)
+FLAG_ONE = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -55,84 +59,92 @@ class TimeTiles:
 
 
 @triton.jit
-def _time_tiles_kernel(TS, QTS, Q_OFF, KV_OFF, INFO, FLAGS, T_SIZE, L_Q, NQB, NKT,
+def _time_tiles_kernel(TS, QTS, Q_OFF, KV_OFF, INFO, FLAGS, T_SIZE, L_Q, NQB, NKT, CAUSAL: tl.constexpr,
                        PTX: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr):
-    kt = tl.program_id(0)
-    qb = tl.program_id(1)
-    b = tl.program_id(2)
+    """One program per (row block, sequence): the block's rows against each key tile a mask-free pass tile can
+    cover (causal: the tiles before the block's last row)."""
+    qb = tl.program_id(0)
+    b = tl.program_id(1)
     q_start = tl.load(Q_OFF + b)
     q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
     kv_start = tl.load(KV_OFF + b)
     kv_len = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
     m0 = qb * TILE_Q
-    n0 = kt * TILE_K
-    flag = FLAGS + (b * NQB + qb) * NKT + kt
     if m0 >= q_len:
-        # No row: a pass's tile that reaches past the sequence is decided by its rows inside it.
-        tl.store(flag, 1)
-        return
-    if n0 >= kv_len:
         return
     rows = m0 + tl.arange(0, TILE_Q)
-    cols = n0 + tl.arange(0, TILE_K)
     rows_ok = rows < q_len
-    cols_ok = cols < kv_len
     ts_q = tl.load(QTS + q_start + rows, mask=rows_ok, other=0)
-    ts_k = tl.load(TS + kv_start + cols, mask=cols_ok, other=0)
-    bucket = time_bucket(ts_q[:, None] - ts_k[None, :], T_SIZE, PTX)
-    last_col = tl.minimum(n0 + TILE_K, kv_len) - 1
-    first = tl.sum(tl.where(cols[None, :] == n0, bucket, 0), 1)
-    last = tl.sum(tl.where(cols[None, :] == last_col, bucket, 0), 1)
-    split = tl.sum(((bucket == first[:, None]) & cols_ok[None, :]).to(tl.int32), 1)
-    want = tl.where(cols[None, :] < n0 + split[:, None], first[:, None], last[:, None])
-    bad = rows_ok[:, None] & cols_ok[None, :] & (bucket != want)
-    tl.store(INFO + kt * L_Q + q_start + rows, first | (last << 8) | (split << 16), mask=rows_ok)
-    tl.store(flag, (tl.max(tl.max(bad.to(tl.int32), 1), 0) == 0).to(tl.int32))
+    kt_end = tl.cdiv(kv_len, TILE_K)
+    if CAUSAL:
+        kt_end = tl.minimum(kt_end, tl.cdiv(m0 + TILE_Q, TILE_K))
+    for kt in range(0, kt_end):
+        n0 = kt * TILE_K
+        cols = n0 + tl.arange(0, TILE_K)
+        cols_ok = cols < kv_len
+        ts_k = tl.load(TS + kv_start + cols, mask=cols_ok, other=0)
+        bucket = time_bucket(ts_q[:, None] - ts_k[None, :], T_SIZE, PTX)
+        last_col = tl.minimum(n0 + TILE_K, kv_len) - 1
+        first = tl.sum(tl.where(cols[None, :] == n0, bucket, 0), 1)
+        last = tl.sum(tl.where(cols[None, :] == last_col, bucket, 0), 1)
+        split = tl.sum(((bucket == first[:, None]) & cols_ok[None, :]).to(tl.int32), 1)
+        want = tl.where(cols[None, :] < n0 + split[:, None], first[:, None], last[:, None])
+        bad = tl.max(tl.max((rows_ok[:, None] & cols_ok[None, :] & (bucket != want)).to(tl.int32), 1), 0)
+        two = tl.max((rows_ok & (first != last)).to(tl.int32), 0)
+        tl.store(INFO + kt * L_Q + q_start + rows, first | (last << 8) | (split << 16), mask=rows_ok)
+        flag = tl.where(bad != 0, FLAG_MIXED, tl.where(two != 0, FLAG_SPLIT, FLAG_ONE))
+        tl.store(FLAGS + (b * NQB + qb) * NKT + kt, flag)
 
 
 def _build(ts: torch.Tensor, qts: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int,
-           max_kv_len: int, t_size: int, tile_q: int, tile_k: int, on_cuda: bool) -> TimeTiles:
+           max_kv_len: int, t_size: int, causal: bool, tile_q: int, tile_k: int, on_cuda: bool) -> TimeTiles:
     batch = q_offsets.numel() - 1
-    # Room for the widest pass tile past a sequence's last row block (those blocks are flagged).
-    nqb = triton.cdiv(max_q_len, tile_q) + 256 // tile_q
+    nqb = triton.cdiv(max_q_len, tile_q)
     nkt = triton.cdiv(max_kv_len, tile_k)
     info = torch.zeros(nkt, qts.numel(), device=ts.device, dtype=torch.int32)
     flags = torch.zeros(batch, nqb, nkt, device=ts.device, dtype=torch.int32)
-    if batch > 0 and nkt > 0:
-        _time_tiles_kernel[(nkt, nqb, batch)](
+    if batch > 0 and nqb > 0 and nkt > 0:
+        _time_tiles_kernel[(nqb, batch)](
             ts, qts, q_offsets, kv_offsets, info, flags, t_size, qts.numel(), nqb, nkt,
-            PTX=on_cuda, TILE_Q=tile_q, TILE_K=tile_k, num_warps=4,
+            CAUSAL=causal, PTX=on_cuda, TILE_Q=tile_q, TILE_K=tile_k, num_warps=4,
         )
     return TimeTiles(info, flags, tile_q, tile_k)
 
 
 def build_time_tiles(ts: torch.Tensor, qts: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
-                     max_q_len: int, max_kv_len: int, t_size: int, tile_k: int) -> TimeTiles:
+                     max_q_len: int, max_kv_len: int, t_size: int, causal: bool, tile_k: int) -> TimeTiles:
     """The plan of a batch's int32 relative key times ``ts[L_KV]`` and query times ``qts[L_Q]``
     (:func:`kernels.triton.jagged_attention.relative_timestamps`) for a ``t_size``-entry time table at key tiles of
-    ``tile_k``; computed once per batch and width (:mod:`kernels.triton.per_batch`), then shared by every layer."""
+    ``tile_k`` (``causal``: only the tiles before each row block's last row, the ones a causal pass's mask-free tiles
+    lie in); computed once per batch and width (:mod:`kernels.triton.per_batch`), then shared by every layer."""
     on_cuda = ts.is_cuda
     tile_q = TILE_Q_GPU if on_cuda else TILE_Q_CPU
     return per_batch(
         f"time_tiles_{tile_k}", (ts, qts, q_offsets, kv_offsets),
-        lambda: _build(ts, qts, q_offsets, kv_offsets, max_q_len, max_kv_len, t_size, tile_q, tile_k, on_cuda),
-        extra=(max_q_len, max_kv_len, t_size),
+        lambda: _build(ts, qts, q_offsets, kv_offsets, max_q_len, max_kv_len, t_size, causal, tile_q, tile_k,
+                       on_cuda),
+        extra=(max_q_len, max_kv_len, t_size, causal),
     )
 
 
 @triton.jit
-def split_time_info(INFO, FLAGS, b, m_start, n_start, rows, rows_ok, NQB, NKT, L_Q, BLOCK_M: tl.constexpr,
-                    TILE_Q: tl.constexpr, TILE_K: tl.constexpr):
-    """``(ok, info[M])`` of query rows ``[m_start, m_start + BLOCK_M)`` of sequence ``b`` (global row indices
-    ``rows[M]``) in the key tile holding ``n_start``: whether every row has the two-bucket form there (the flags of
-    the row blocks the rows cover, or lie inside), and each row's packed buckets and split. The passes load these
-    one tile ahead: the loads' latency then hides behind a tile's work instead of stalling it."""
-    kt = n_start // TILE_K
-    base = FLAGS + (b * NQB + m_start // TILE_Q) * NKT + kt
-    ok = tl.load(base)
+def split_flag(FLAGS, b, m_start, n_start, q_len, NQB, NKT, BLOCK_M: tl.constexpr, TILE_Q: tl.constexpr,
+               TILE_K: tl.constexpr):
+    """The flag of query rows ``[m_start, m_start + BLOCK_M)`` of sequence ``b`` in the key tile holding ``n_start``:
+    the least (``FLAG_MIXED`` < ``FLAG_SPLIT`` < ``FLAG_ONE``) of the row blocks the rows cover or lie inside
+    (blocks past the sequence have no rows and count as ``FLAG_ONE``)."""
+    qb = m_start // TILE_Q
+    base = FLAGS + (b * NQB + qb) * NKT + n_start // TILE_K
+    flag = tl.load(base)
     for i in tl.static_range(1, BLOCK_M // TILE_Q):
-        ok = ok & tl.load(base + i * NKT)
-    return ok != 0, tl.load(INFO + kt * L_Q + rows, mask=rows_ok, other=0)
+        flag = tl.minimum(flag, tl.load(base + i * NKT, mask=(qb + i) * TILE_Q < q_len, other=FLAG_ONE))
+    return flag
+
+
+@triton.jit
+def split_rows(INFO, rows, rows_ok, n_start, L_Q, TILE_K: tl.constexpr):
+    """``info[M]``: the packed buckets and split of global rows ``rows[M]`` in the key tile holding ``n_start``."""
+    return tl.load(INFO + n_start // TILE_K * L_Q + rows, mask=rows_ok, other=0)
 
 
 @triton.jit
@@ -156,3 +168,14 @@ def add_split_time(s, keys, split, first_bias, last_bias, KEYS_ON_ROWS: tl.const
         return s + tl.where(keys[:, None] < split[None, :], first_bias[None, :], last_bias[None, :])
     else:
         return s + tl.where(keys[None, :] < split[:, None], first_bias[:, None], last_bias[:, None])
+
+
+@triton.jit
+def add_split_time_grad(ds, keys, first, last, split, dtb_ptr):
+    """Adds a ``[queries, keys]`` dS tile into the time-table gradient by its rows' splits: two atomics per row
+    (one where a row's two buckets are the same)."""
+    ds_all = tl.sum(ds, 1)
+    ds_first = tl.sum(tl.where(keys[None, :] < split[:, None], ds, 0.0), 1)
+    two = first != last
+    tl.atomic_add(dtb_ptr + first, tl.where(two, ds_first, ds_all), sem="relaxed")
+    tl.atomic_add(dtb_ptr + last, ds_all - ds_first, mask=two, sem="relaxed")
