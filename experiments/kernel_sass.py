@@ -126,14 +126,15 @@ def resource_usage(compiled) -> tuple[int, int, str]:
 def report(kernel: str, bias: str, act: int, config: triton.Config, deterministic: bool = False,
            full_table: bool = False, split: bool = True) -> str:
     """One variant's registers, stack and tile loops; ``full_table``: a position table with an entry for every
-    distance (HSTU's; ``POS_FITS``), else the ``large`` teacher's ``position_window`` table; ``split``: the planned
-    time buckets (:mod:`kernels.triton.time_tiles`), whose branches the mask-free loops then hold beside the
-    per-score buckets (all counted)."""
+    distance (HSTU's; ``POS_FITS``), else the ``large`` teacher's ``position_window`` table; ``split``: the forward's
+    and dK/dV's planned time buckets (:mod:`kernels.triton.time_tiles`), whose branch their mask-free loops then hold
+    beside the per-score buckets (both counted)."""
     fn, _ = KERNELS[kernel]
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
                       HAS_TB=bias != "none", POS_FITS=bias != "none" and full_table, FAST=True, PTX=True, DQK=128,
-                      DV=128, BLOCK_DQK=128, BLOCK_DV=128, SPLIT=split and bias != "none", TILE_Q=TILE_Q_GPU,
-                      TILE_K=TILE_K_GPU[kernel == "dkdv"], **config.kwargs)
+                      DV=128, BLOCK_DQK=128, BLOCK_DV=128, **config.kwargs)
+    if kernel != "dq":
+        constexprs.update(SPLIT=split and bias != "none", TILE_Q=TILE_Q_GPU, TILE_K=TILE_K_GPU[kernel == "dkdv"])
     if kernel == "fwd":
         constexprs["TMA"] = True
     if kernel == "dq":

@@ -68,13 +68,10 @@ from kernels.triton.configs import (
 from kernels.triton.per_batch import per_batch
 from kernels.triton.time_tiles import (
     FLAG_MIXED,
-    FLAG_ONE,
-    FLAG_SPLIT,
     MAX_TIME_BUCKETS,
     TILE_K_CPU,
     TILE_K_GPU,
     add_split_time,
-    add_split_time_grad,
     build_time_tiles,
     split_fields,
     split_flag,
@@ -415,13 +412,12 @@ def _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, 
 def _bwd_dq_tiles(
     dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
     ts_m, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
-    m_start, OFF, LD, INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
+    m_start, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr, FAST: tl.constexpr,
     PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
-    SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """dQ over key tiles ``[lo, hi)``, and the bias-table gradients of those tiles' scores
     (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
@@ -441,31 +437,10 @@ def _bwd_dq_tiles(
                 s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
                                      pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
             else:
-                if SPLIT and HAS_TB:
-                    flag = split_flag(FLAGS, b, m_start, start_n, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K)
-                else:
-                    flag: tl.constexpr = FLAG_MIXED
-                if flag != FLAG_MIXED:
-                    # The plan's rows: one or two table entries per row, and no per-score bucket.
-                    info = split_rows(INFO, q_start + offs_m, q_ok, start_n, L_Q, TILE_K)
-                    first, last, split = split_fields(info, start_n, TILE_K)
-                    first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
-                    s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
-                                         pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX)
-                    uniform = flag == FLAG_ONE
-                    if uniform:
-                        s += first_bias[:, None]
-                    else:
-                        s = add_split_time(s, offs_n, split, first_bias, last_bias, False)
-                    row_bucket = first
-                else:
-                    s, bucket, row_bucket, uniform = add_bias_rows(
-                        s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-                        bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
-                    )
-                    first = row_bucket
-                    last = row_bucket
-                    split = row_bucket
+                s, bucket, row_bucket, uniform = add_bias_rows(
+                    s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+                    bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
+                )
                 if FAR:
                     s += pb_far
         dp = tl.dot(do, tl.trans(v))
@@ -494,8 +469,6 @@ def _bwd_dq_tiles(
                 _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
             elif uniform:
                 tl.atomic_add(dtb_ptr + row_bucket, tl.sum(ds, 1), sem="relaxed")
-            elif flag == FLAG_SPLIT:
-                add_split_time_grad(ds, offs_n, first, last, split, dtb_ptr)
             else:
                 _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
     if FAR:
@@ -505,15 +478,14 @@ def _bwd_dq_tiles(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB, INFO, FLAGS,
+    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
-    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD, L_Q, NQB, NKT,
+    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
-    SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     pid, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
@@ -556,9 +528,6 @@ def _bwd_dq_kernel(
     win_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
     time_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    # The plan's time buckets (kernels/triton/time_tiles.py) for key tiles inside one of its tiles; the deterministic
-    # time rows sum by bucket.
-    SPLIT_N: tl.constexpr = SPLIT and TILE_K % BLOCK_N == 0 and not DETERMINISTIC
     near_lo = lo
     if HAS_PB and CAUSAL and not DETERMINISTIC:
         near_lo = _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N)
@@ -566,25 +535,22 @@ def _bwd_dq_kernel(
             dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m,
             q_ok, ts_m, lo, near_lo, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
             TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-            INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
             ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, True, FAST, PTX, DQK, DV, BLOCK_DQK,
-            BLOCK_DV, BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, SPLIT_N, TILE_Q, TILE_K,
+            BLOCK_DV, BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
         )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, near_lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, SPLIT_N, TILE_Q, TILE_K,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
         TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-        INFO, FLAGS, b, q_start, q_len, L_Q, NQB, NKT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, SPLIT_N, TILE_Q, TILE_K,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
     )
     if DETERMINISTIC:
         if HAS_PB:
@@ -1160,12 +1126,11 @@ class _JaggedAttentionFn(torch.autograd.Function):
         else:
             # The dQ pass's autotuner zeroes the table-gradient accumulators around each trial; they are
             # written by that pass only, so no earlier output is among them.
-            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=False)
             dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
-                       *tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
             _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
-                    {**dq_kwargs, **tables, **split, "L_Q": q.shape[0]}, q.is_cuda)
+                    {**dq_kwargs, **tables}, q.is_cuda)
             tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=True)
             dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -10,12 +10,13 @@ and ``TILE_K`` keys of a sequence, whether each row has that form, and stores pe
 
     ``info = first | last << 8 | split << 16``  (``split``: keys of the tile in bucket ``first``)
 
-and per (row block, key tile) a flag: every row of the block has the form (``FLAG_SPLIT``), every row holds one
-bucket (``FLAG_ONE``), or neither (``FLAG_MIXED``). A tile that lies inside blocks of form then adds
+and per (row block, key tile) a flag: every row of the block has the form (``FLAG_SPLIT``) or not
+(``FLAG_MIXED``). A forward or dK/dV tile that lies inside blocks of form then adds
 ``where(key < split, time_bias[first], time_bias[last])``: two table reads per row and a compare and a select per
-score (:func:`add_split_time`), and the dQ pass adds each row's sums into the gradient's two entries (one where
-every row holds one bucket). Other tiles take the per-score buckets. Exact: the same bucket function on the same
-int32 times decides both; nothing assumes the times are in order, only the flags' hit rate does.
+score (:func:`add_split_time`). Other tiles take the per-score buckets. Exact: the same bucket function on the
+same int32 times decides both; nothing assumes the times are in order, only the flags' hit rate does. The dQ pass
+keeps its own per-row path (:func:`kernels.triton.bias.add_bias_rows`): reading the plan there (one or two table
+entries per row and their gradient sums) measured no faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ TILE_K_GPU = (64, 128)
 TILE_K_CPU = (32, 32)
 # ``first`` and ``last`` are packed in 8 bits each.
 MAX_TIME_BUCKETS = 256
-# A (row block, key tile)'s flag: some row holds other buckets; every row splits in two; every row holds one.
+# A (row block, key tile)'s flag: some row holds other buckets, or every row splits in two (or holds one).
 FLAG_MIXED = tl.constexpr(0)
 FLAG_SPLIT = tl.constexpr(1)
-FLAG_ONE = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,8 @@ def _time_tiles_kernel(TS, QTS, Q_OFF, KV_OFF, INFO, FLAGS, T_SIZE, L_Q, NQB, NK
         split = tl.sum(((bucket == first[:, None]) & cols_ok[None, :]).to(tl.int32), 1)
         want = tl.where(cols[None, :] < n0 + split[:, None], first[:, None], last[:, None])
         bad = tl.max(tl.max((rows_ok[:, None] & cols_ok[None, :] & (bucket != want)).to(tl.int32), 1), 0)
-        two = tl.max((rows_ok & (first != last)).to(tl.int32), 0)
         tl.store(INFO + kt * L_Q + q_start + rows, first | (last << 8) | (split << 16), mask=rows_ok)
-        flag = tl.where(bad != 0, FLAG_MIXED, tl.where(two != 0, FLAG_SPLIT, FLAG_ONE))
-        tl.store(FLAGS + (b * NQB + qb) * NKT + kt, flag)
+        tl.store(FLAGS + (b * NQB + qb) * NKT + kt, tl.where(bad != 0, FLAG_MIXED, FLAG_SPLIT))
 
 
 def _build(ts: torch.Tensor, qts: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int,
@@ -131,13 +129,13 @@ def build_time_tiles(ts: torch.Tensor, qts: torch.Tensor, q_offsets: torch.Tenso
 def split_flag(FLAGS, b, m_start, n_start, q_len, NQB, NKT, BLOCK_M: tl.constexpr, TILE_Q: tl.constexpr,
                TILE_K: tl.constexpr):
     """The flag of query rows ``[m_start, m_start + BLOCK_M)`` of sequence ``b`` in the key tile holding ``n_start``:
-    the least (``FLAG_MIXED`` < ``FLAG_SPLIT`` < ``FLAG_ONE``) of the row blocks the rows cover or lie inside
-    (blocks past the sequence have no rows and count as ``FLAG_ONE``)."""
+    ``FLAG_MIXED`` if any row block the rows cover or lie inside has that flag (blocks past the sequence have no
+    rows and count as ``FLAG_SPLIT``)."""
     qb = m_start // TILE_Q
     base = FLAGS + (b * NQB + qb) * NKT + n_start // TILE_K
     flag = tl.load(base)
     for i in tl.static_range(1, BLOCK_M // TILE_Q):
-        flag = tl.minimum(flag, tl.load(base + i * NKT, mask=(qb + i) * TILE_Q < q_len, other=FLAG_ONE))
+        flag = tl.minimum(flag, tl.load(base + i * NKT, mask=(qb + i) * TILE_Q < q_len, other=FLAG_SPLIT))
     return flag
 
 
@@ -168,14 +166,3 @@ def add_split_time(s, keys, split, first_bias, last_bias, KEYS_ON_ROWS: tl.const
         return s + tl.where(keys[:, None] < split[None, :], first_bias[None, :], last_bias[None, :])
     else:
         return s + tl.where(keys[None, :] < split[:, None], first_bias[:, None], last_bias[:, None])
-
-
-@triton.jit
-def add_split_time_grad(ds, keys, first, last, split, dtb_ptr):
-    """Adds a ``[queries, keys]`` dS tile into the time-table gradient by its rows' splits: two atomics per row
-    (one where a row's two buckets are the same)."""
-    ds_all = tl.sum(ds, 1)
-    ds_first = tl.sum(tl.where(keys[None, :] < split[:, None], ds, 0.0), 1)
-    two = first != last
-    tl.atomic_add(dtb_ptr + first, tl.where(two, ds_first, ds_all), sem="relaxed")
-    tl.atomic_add(dtb_ptr + last, ds_all - ds_first, mask=two, sem="relaxed")
