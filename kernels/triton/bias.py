@@ -133,8 +133,8 @@ def row_time_buckets(ts_rows, ts_cols, rows_ok, cols_ok, T_SIZE, PTX: tl.constex
     lie between their values at those two ends, so equal buckets at both ends are the bucket of every pair, for
     times in any order. Far from the diagonal a tile's times span a small fraction of the row's gap to them, and
     the dQ pass then reads one time-table entry and adds one gradient sum per row instead of one bucket, read and
-    mask per score. (The forward and dK/dV passes keep the per-score form: there the check's reductions across
-    warps cost more than they saved, docs/benchmarks.md.)
+    mask per score. (In the forward and dK/dV passes the check's reductions across warps cost more than they saved,
+    docs/benchmarks.md; those passes read the batch's plan instead, :mod:`kernels.triton.time_tiles`.)
     """
     lo = tl.min(tl.where(cols_ok, ts_cols, _INT32_MAX), 0)
     hi = tl.max(tl.where(cols_ok, ts_cols, -_INT32_MAX), 0)
