@@ -75,8 +75,8 @@ from kernels.triton.time_tiles import (
     TILE_K_GPU,
     add_split_time,
     build_time_tiles,
-    split_fields,
     split_flag,
+    split_key,
     split_rows,
     split_time_bias,
 )
@@ -214,7 +214,7 @@ def _fwd_tiles(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_PB or HAS_TB:
             if split_ok:
-                _, _, split = split_fields(info, start_n, TILE_K)
+                split = split_key(info, start_n, TILE_K)
                 s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], offs_n[None, :], pb_ptr,
                                 tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX, CAUSAL, POS_FITS)
                 s = add_split_time(s, offs_n, split, first_bias, last_bias, False)
@@ -598,7 +598,7 @@ def _bwd_dkdv_tiles(
         if HAS_PB or HAS_TB:
             if split_ok:
                 info = split_rows(INFO, q_start + offs_m, m_ok, n_start, L_Q, TILE_K)
-                _, _, split = split_fields(info, n_start, TILE_K)
+                split = split_key(info, n_start, TILE_K)
                 first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
                 s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, offs_m[None, :], offs_n[:, None],
                                   pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX, CAUSAL,

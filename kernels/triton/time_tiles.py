@@ -152,10 +152,10 @@ def split_time_bias(info, tb_ptr, scale, PTX: tl.constexpr):
 
 
 @triton.jit
-def split_fields(info, n_start, TILE_K: tl.constexpr):
-    """``(first[M], last[M], split[M])`` of packed rows in the key tile holding ``n_start``; ``split`` is the first
-    key (sequence-relative) in bucket ``last``."""
-    return info & 255, (info >> 8) & 255, n_start // TILE_K * TILE_K + (info >> 16)
+def split_key(info, n_start, TILE_K: tl.constexpr):
+    """``split[M]``: each packed row's first key (sequence-relative) in bucket ``last``, in the key tile holding
+    ``n_start``."""
+    return n_start // TILE_K * TILE_K + (info >> 16)
 
 
 @triton.jit
