@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import jagged_attention
 from kernels.pytorch.jagged_attention import time_bucket
 from kernels.triton.jagged_attention import relative_timestamps
 from kernels.triton.time_tiles import (
@@ -15,10 +14,7 @@ from kernels.triton.time_tiles import (
     TILE_Q_CPU,
     build_time_tiles,
 )
-
-
-def _offsets(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *lengths]).cumsum(0)
+from tests.kernels.test_jagged_attention import _offsets, _run
 
 
 def _times(lengths: list[int], gen: torch.Generator, order: str) -> torch.Tensor:
@@ -76,16 +72,6 @@ def test_plan_flags_exactly_the_tiles_whose_rows_split_in_two(order, causal):
         assert seen[FLAG_SPLIT] > 20, seen
 
 
-def _attention(t, offsets, n, **options):
-    leaves = [t[k] for k in ("q", "k", "v", "pos_bias", "time_bias")]
-    for x in leaves:
-        x.grad = None
-    out = jagged_attention(t["q"], t["k"], t["v"], offsets, n, pos_bias=t["pos_bias"], time_bias=t["time_bias"],
-                           timestamps=t["timestamps"], **options)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
-    return [out.detach()] + [x.grad.clone() for x in leaves]
-
-
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
 def test_split_time_buckets_give_the_per_score_result(activation, order, monkeypatch):
@@ -104,11 +90,11 @@ def test_split_time_buckets_give_the_per_score_result(activation, order, monkeyp
     t = dict(q=leaf(total, 2, 16), k=leaf(total, 2, 16), v=leaf(total, 2, 16), pos_bias=leaf(2, 20),
              time_bias=leaf(2, 40), timestamps=_times(lengths, gen, order))
     options = dict(activation=activation, causal=True, num_targets=torch.tensor([3, 1, 0, 6]))
-    want = _attention(t, offsets, 150, backend="pytorch", **options)
+    want = _run("pytorch", t, offsets, 150, 9, **options)
     runs = {}
     for switch in ("1", "0"):
         monkeypatch.setenv("GEM_KERNELS_TIME_TILES", switch)
-        runs[switch] = _attention(t, offsets, 150, backend="triton", **options)
+        runs[switch] = _run("triton", t, offsets, 150, 9, **options)
     for got, off, ref, name in zip(runs["1"], runs["0"], want, ["out", "dq", "dk", "dv", "dpos", "dtime"],
                                    strict=True):
         scale = max(ref.abs().max().item(), 1.0)
