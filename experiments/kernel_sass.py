@@ -51,6 +51,8 @@ SHOWN = ["HGMMA", "MUFU", "LDG", "LDS", "STS", "REDG", "SHFL", "BAR", "STL", "LD
 LOOP_ORDER = {"fwd": ("mask-free", "masked"), "dq": ("mask-free", "masked"), "dkdv": ("masked", "mask-free")}
 FAR_LOOP_ORDER = {"fwd": ("far", "mask-free", "masked"), "dq": ("far", "mask-free", "masked"),
                   "dkdv": ("masked", "mask-free", "far")}
+# The dQ pass's far tiles of the plan's width (kernels/triton/time_tiles.py) come first, in a loop of their own.
+PLANNED_LOOP_ORDER = {"fwd": (), "dq": ("planned", "far", "mask-free", "masked"), "dkdv": ()}
 
 
 def signature(fn, constexprs: dict) -> tuple[dict, dict]:
@@ -133,8 +135,7 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
                       HAS_TB=bias != "none", POS_FITS=bias != "none" and full_table, FAST=True, PTX=True, DQK=128,
                       DV=128, BLOCK_DQK=128, BLOCK_DV=128, **config.kwargs)
-    if kernel != "dq":
-        constexprs.update(SPLIT=split and bias != "none", TILE_Q=TILE_Q_GPU, TILE_K=TILE_K_GPU[kernel == "dkdv"])
+    constexprs.update(SPLIT=split and bias != "none", TILE_Q=TILE_Q_GPU, TILE_K=TILE_K_GPU[kernel == "dkdv"])
     if kernel == "fwd":
         constexprs["TMA"] = True
     if kernel == "dq":
@@ -143,10 +144,12 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
         constexprs.update(DETERMINISTIC=deterministic and bias != "none", BLOCK_T=128 if deterministic else 16)
     regs, stack, sass = resource_usage(compile_sm90(fn, constexprs, config))
     loops = tile_loops(sass)
-    names = next((order[kernel] for order in (LOOP_ORDER, FAR_LOOP_ORDER) if len(order[kernel]) == len(loops)),
-                 [f"loop {i}" for i in range(len(loops))])
+    names = next((order[kernel] for order in (LOOP_ORDER, FAR_LOOP_ORDER, PLANNED_LOOP_ORDER)
+                  if len(order[kernel]) == len(loops)), [f"loop {i}" for i in range(len(loops))])
     scores = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] / (32 * config.num_warps)
-    parts = " | ".join(loop_line(name, loop, scores) for name, loop in zip(names, loops, strict=True))
+    planned = config.kwargs["BLOCK_M"] * constexprs["TILE_K"] / (32 * config.num_warps)
+    parts = " | ".join(loop_line(name, loop, planned if name == "planned" else scores)
+                       for name, loop in zip(names, loops, strict=True))
     kernel = f"{kernel}-det" if constexprs.get("DETERMINISTIC") else kernel
     return (f"{kernel:6s} bias={bias:4s} act={act} {config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} "
             f"w{config.num_warps} s{config.num_stages}: regs {regs} stack {stack}, "

@@ -411,15 +411,57 @@ def _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, 
 
 
 @triton.jit
+def _bwd_dq_planned_tiles(
+    dq, q, do, lse, delta, k_base, v_base, stride_km, stride_vm, offs_m, q_ok, lo, hi, kv_len, qk_scale, bias_scale,
+    pb_far, tb_ptr, dtb_ptr, INFO, FLAGS, b, m_start, q_start, q_len, L_Q, NQB, NKT,
+    ACT: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, TILE_Q: tl.constexpr,
+    TILE_K: tl.constexpr,
+):
+    """dQ over far key tiles ``[lo, hi)`` (:func:`_far_keys_end`) of the plan's width ``TILE_K``, with each score's
+    time bias from its row's split buckets (:mod:`kernels.triton.time_tiles`): no per-score bucket, no uniformity
+    test, so the tile is as wide as the unbiased pass's and its loop is that pass's plus a compare, a select and two
+    row sums per score. Tiles the plan flags ``FLAG_MIXED`` run with dS = 0 (their loads stay unconditional, so
+    the loop pipelines them) and are left to :func:`_bwd_dq_tiles` (``SKIP_PLANNED``). Returns ``(dq, rows[M])``:
+    the rows' dS sums, for the position table's last entry."""
+    far_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rows = q_start + offs_m
+    for start_n in range(lo, hi, TILE_K):
+        offs_n = start_n + tl.arange(0, TILE_K)
+        keep = split_flag(FLAGS, b, m_start, start_n, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K) != FLAG_MIXED
+        info = split_rows(INFO, rows, q_ok, start_n, L_Q, TILE_K)
+        first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
+        split = split_key(info, start_n, TILE_K)
+        k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                               TILE_K)
+        s = add_split_time(tl.dot(q, tl.trans(k)) * qk_scale + pb_far, offs_n, split, first_bias, last_bias, False)
+        dp = tl.dot(do, tl.trans(v))
+        if ACT == 0:
+            ds = tl.math.exp2(s - lse[:, None]) * (dp - delta[:, None])
+        else:
+            _, dact = _act_fwd_bwd(s, ACT, FAST)
+            ds = dp * dact
+        ds = tl.where(keep, ds, 0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        total = tl.sum(ds, 1)
+        before = tl.sum(tl.where(offs_n[None, :] < split[:, None], ds, 0.0), 1)
+        far_rows += total
+        tl.atomic_add(dtb_ptr + (info & 255), before, sem="relaxed")
+        tl.atomic_add(dtb_ptr + ((info >> 8) & 255), total - before, sem="relaxed")
+    return dq, far_rows
+
+
+@triton.jit
 def _bwd_dq_tiles(
     dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
     ts_m, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE,
-    m_start, OFF, LD,
+    m_start, OFF, LD, FLAGS, b, q_len, NQB, NKT, planned_hi,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr, FAST: tl.constexpr,
     PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
+    SKIP_PLANNED: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """dQ over key tiles ``[lo, hi)``, and the bias-table gradients of those tiles' scores
     (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
@@ -429,50 +471,57 @@ def _bwd_dq_tiles(
     pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
     far_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
-                               BLOCK_N)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if HAS_PB or HAS_TB:
-            ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
-            if MASKED:
-                s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
-                                     pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
-            else:
-                s, bucket, row_bucket, uniform = add_bias_rows(
-                    s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-                    bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
-                )
-                if FAR:
-                    s += pb_far
-        dp = tl.dot(do, tl.trans(v))
-        if ACT == 0:
-            p = tl.math.exp2(s - lse[:, None])
-            ds = p * (dp - delta[:, None])
+        if SKIP_PLANNED:
+            # Tiles before ``planned_hi`` that the plan flags ran in _bwd_dq_planned_tiles.
+            todo = (start_n >= planned_hi) | (split_flag(FLAGS, b, m_start, start_n, q_len, NQB, NKT, BLOCK_M,
+                                                         TILE_Q, TILE_K) == FLAG_MIXED)
         else:
-            _, dact = _act_fwd_bwd(s, ACT, FAST)
-            ds = dp * dact
-        if MASKED:
-            valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
-            ds = tl.where(valid, ds, 0.0)
-        dq = tl.dot(ds.to(k.dtype), k, dq)
-        if HAS_PB:
-            if FAR:
-                far_rows += tl.sum(ds, 1)
-            elif DETERMINISTIC:
-                win_lo, win_hi = store_position_grad(win_lo, win_hi, ds, m_start, start_n, n_hist, dpb_ptr, OFF, LD,
-                                                     HAS_TARGETS, BLOCK_M, BLOCK_N)
+            todo: tl.constexpr = True
+        if todo:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                                   BLOCK_N)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            if HAS_PB or HAS_TB:
+                ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
+                if MASKED:
+                    s, bucket = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :],
+                                         pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB, HAS_TB, PTX)
+                else:
+                    s, bucket, row_bucket, uniform = add_bias_rows(
+                        s, offs_m, offs_n, n_hist, ts_m, ts_n, q_ok, offs_n < kv_len, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
+                        bias_scale, HAS_PB and not FAR, HAS_TB, PTX,
+                    )
+                    if FAR:
+                        s += pb_far
+            dp = tl.dot(do, tl.trans(v))
+            if ACT == 0:
+                p = tl.math.exp2(s - lse[:, None])
+                ds = p * (dp - delta[:, None])
             else:
-                add_position_grad(ds, m_start, start_n, n_hist, dpb_ptr, P_SIZE, HAS_TARGETS, BLOCK_M, BLOCK_N)
-        if HAS_TB:
-            if DETERMINISTIC:
-                time_acc = sum_time_grad(time_acc, ds, bucket, BLOCK_T)
-            elif MASKED:
-                _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
-            elif uniform:
-                tl.atomic_add(dtb_ptr + row_bucket, tl.sum(ds, 1), sem="relaxed")
-            else:
-                _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
+                _, dact = _act_fwd_bwd(s, ACT, FAST)
+                ds = dp * dact
+            if MASKED:
+                valid = _mask(offs_m[:, None], offs_n[None, :], kv_len, n_hist, window, CAUSAL, HAS_TARGETS, HAS_WINDOW)
+                ds = tl.where(valid, ds, 0.0)
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+            if HAS_PB:
+                if FAR:
+                    far_rows += tl.sum(ds, 1)
+                elif DETERMINISTIC:
+                    win_lo, win_hi = store_position_grad(win_lo, win_hi, ds, m_start, start_n, n_hist, dpb_ptr, OFF, LD,
+                                                         HAS_TARGETS, BLOCK_M, BLOCK_N)
+                else:
+                    add_position_grad(ds, m_start, start_n, n_hist, dpb_ptr, P_SIZE, HAS_TARGETS, BLOCK_M, BLOCK_N)
+            if HAS_TB:
+                if DETERMINISTIC:
+                    time_acc = sum_time_grad(time_acc, ds, bucket, BLOCK_T)
+                elif MASKED:
+                    _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
+                elif uniform:
+                    tl.atomic_add(dtb_ptr + row_bucket, tl.sum(ds, 1), sem="relaxed")
+                else:
+                    _add_time_grad_by_rows(ds, bucket, ts_m, ts_base, start_n, dtb_ptr, T_SIZE, PTX)
     if FAR:
         tl.atomic_add(dpb_ptr + P_SIZE - 1, tl.sum(far_rows, 0), sem="relaxed")
     return dq, win_lo, win_hi, time_acc
@@ -480,14 +529,15 @@ def _bwd_dq_tiles(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB,
+    Q, K, V, DO, DQ, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, DPB, DTB, INFO, FLAGS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_lse_h, stride_pbh, stride_tbh, P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET,
-    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD,
+    AVG_BUCKET, ROWS, REPS, stride_dpb_rep, stride_dtb_rep, OFF, LD, L_Q, NQB, NKT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
+    SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
 ):
     pid, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
@@ -531,28 +581,41 @@ def _bwd_dq_kernel(
     time_acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     lo, full_hi, hi = _key_ranges(m_start, kv_len, n_hist, window, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     near_lo = lo
+    # Far tiles inside the plan's (kernels/triton/time_tiles.py) run at its width in a loop of their own.
+    PLANNED: tl.constexpr = SPLIT and HAS_TB and TILE_K % BLOCK_N == 0
+    planned_hi = lo
     if HAS_PB and CAUSAL and not DETERMINISTIC:
         near_lo = _far_keys_end(m_start, n_hist, lo, full_hi, P_SIZE, BLOCK_N)
+        if PLANNED:
+            if lo % TILE_K == 0:
+                planned_hi = lo + (near_lo - lo) // TILE_K * TILE_K
+            pb_far = tl.load(PB + h * stride_pbh + P_SIZE - 1) * bias_scale
+            dq, far_rows = _bwd_dq_planned_tiles(
+                dq, q, do, lse, delta, k_base, v_base, stride_km, stride_vm, offs_m, q_ok, lo, planned_hi, kv_len,
+                qk_scale, bias_scale, pb_far, TB + h * stride_tbh, dtb_ptr, INFO, FLAGS, b, m_start, q_start, q_len,
+                L_Q, NQB, NKT, ACT, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, TILE_Q, TILE_K,
+            )
+            tl.atomic_add(dpb_ptr + P_SIZE - 1, tl.sum(far_rows, 0), sem="relaxed")
         dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
             dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m,
             q_ok, ts_m, lo, near_lo, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
-            TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
-            ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, True, FAST, PTX, DQK, DV, BLOCK_DQK,
-            BLOCK_DV, BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
+            TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD, FLAGS, b, q_len, NQB, NKT,
+            planned_hi, ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, True, FAST, PTX, DQK, DV,
+            BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, PLANNED, TILE_Q, TILE_K,
         )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, near_lo, full_hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
-        TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
+        TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD, FLAGS, b, q_len, NQB, NKT, planned_hi,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, False, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, False, TILE_Q, TILE_K,
     )
     dq, win_lo, win_hi, time_acc = _bwd_dq_tiles(
         dq, win_lo, win_hi, time_acc, q, do, lse, delta, k_base, v_base, ts_base, stride_km, stride_vm, offs_m, q_ok,
         ts_m, tl.maximum(full_hi, lo), hi, kv_len, n_hist, window, qk_scale, bias_scale, PB + h * stride_pbh,
-        TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD,
+        TB + h * stride_tbh, dpb_ptr, dtb_ptr, P_SIZE, T_SIZE, m_start, OFF, LD, FLAGS, b, q_len, NQB, NKT, planned_hi,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, True, False, FAST, PTX, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T,
+        BLOCK_M, BLOCK_N, DETERMINISTIC, BLOCK_T, False, TILE_Q, TILE_K,
     )
     if DETERMINISTIC:
         if HAS_PB:
@@ -1128,11 +1191,12 @@ class _JaggedAttentionFn(torch.autograd.Function):
         else:
             # The dQ pass's autotuner zeroes the table-gradient accumulators around each trial; they are
             # written by that pass only, so no earlier output is among them.
+            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=False)
             dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       *tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
             _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
-                    {**dq_kwargs, **tables}, q.is_cuda)
+                    {**dq_kwargs, **tables, **split, "L_Q": q.shape[0]}, q.is_cuda)
             tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=True)
             dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
