@@ -426,15 +426,18 @@ def _bwd_dq_planned_tiles(
     the rows' dS sums, for the position table's last entry."""
     far_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     rows = q_start + offs_m
+    # Key columns of the tile against each row's split column (``info >> 16``), both tile-relative.
+    cols = tl.arange(0, TILE_K)
     for start_n in range(lo, hi, TILE_K):
-        offs_n = start_n + tl.arange(0, TILE_K)
         keep = split_flag(FLAGS, b, m_start, start_n, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K) != FLAG_MIXED
         info = split_rows(INFO, rows, q_ok, start_n, L_Q, TILE_K)
         first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
-        split = split_key(info, start_n, TILE_K)
+        split = info >> 16
         k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
                                TILE_K)
-        s = add_split_time(tl.dot(q, tl.trans(k)) * qk_scale + pb_far, offs_n, split, first_bias, last_bias, False)
+        # The position term rides on the rows' time terms: one select per score for both.
+        s = add_split_time(tl.dot(q, tl.trans(k)) * qk_scale, cols, split, first_bias + pb_far, last_bias + pb_far,
+                           False)
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
             ds = tl.math.exp2(s - lse[:, None]) * (dp - delta[:, None])
@@ -444,7 +447,7 @@ def _bwd_dq_planned_tiles(
         ds = tl.where(keep, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq)
         total = tl.sum(ds, 1)
-        before = tl.sum(tl.where(offs_n[None, :] < split[:, None], ds, 0.0), 1)
+        before = tl.sum(tl.where(cols[None, :] < split[:, None], ds, 0.0), 1)
         far_rows += total
         tl.atomic_add(dtb_ptr + (info & 255), before, sem="relaxed")
         tl.atomic_add(dtb_ptr + ((info >> 8) & 255), total - before, sem="relaxed")
