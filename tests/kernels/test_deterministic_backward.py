@@ -34,7 +34,7 @@ from kernels.triton.jagged_attention import _bwd_dq_kernel
 det = sys.argv[1] == "1"
 constexprs = dict(ACT=1, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=True, HAS_TB=True, FAST=True,
                   PTX=True, DQK=64, DV=64, BLOCK_DQK=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=32, DETERMINISTIC=det,
-                  BLOCK_T=128 if det else 16)
+                  BLOCK_T=128 if det else 16, SPLIT=True, TILE_Q=64, TILE_K=64)
 config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
 ptx = compile_sm90(_bwd_dq_kernel, constexprs, config).asm["ptx"]
 print(len(re.findall(r"\\b(?:atom|red)\\.[a-z.]*f32", ptx)))
