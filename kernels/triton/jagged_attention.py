@@ -470,12 +470,13 @@ def _bwd_dq_tiles(
     (:mod:`kernels.triton.bias`; rows outside the sequence or the mask carry dS = 0, so whole tiles
     are summed): by atomics, or ``DETERMINISTIC`` into the program's rows through the position window
     ``(win_lo, win_hi)`` and the time-table sums ``time_acc``. ``FAR`` tiles (:func:`_far_keys_end`; atomics only)
-    read the position table's last entry alone: their dS goes into it as one sum over the tiles."""
+    read the position table's last entry alone: their dS goes into it as one sum over the tiles. ``SKIP_PLANNED``:
+    the tiles before ``planned_hi`` that the plan flags ran in :func:`_bwd_dq_planned_tiles`, and only the others
+    run here (a tile's body under a branch is not pipelined, a cost only the plan's mixed tiles pay)."""
     pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
     far_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         if SKIP_PLANNED:
-            # Tiles before ``planned_hi`` that the plan flags ran in _bwd_dq_planned_tiles.
             todo = (start_n >= planned_hi) | (split_flag(FLAGS, b, m_start, start_n, q_len, NQB, NKT, BLOCK_M,
                                                          TILE_Q, TILE_K) == FLAG_MIXED)
         else:

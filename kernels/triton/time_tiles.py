@@ -15,8 +15,10 @@ and per (row block, key tile) a flag: every row of the block has the form (``FLA
 ``where(key < split, time_bias[first], time_bias[last])``: two table reads per row and a compare and a select per
 score (:func:`add_split_time`). Other tiles take the per-score buckets. Exact: the same bucket function on the
 same int32 times decides both; nothing assumes the times are in order, only the flags' hit rate does. The dQ pass
-keeps its own per-row path (:func:`kernels.triton.bias.add_bias_rows`): reading the plan there (one or two table
-entries per row and their gradient sums) measured no faster (docs/benchmarks.md).
+reads the forward's plan in its far tiles (every pair past the position table's last entry) only, in a loop of the
+plan's width of its own, where the split rows also give the time table's gradient as two row sums per row; its
+other tiles keep their per-row path (:func:`kernels.triton.bias.add_bias_rows`), where reading the plan measured no
+faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
