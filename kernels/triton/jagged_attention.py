@@ -75,6 +75,8 @@ from kernels.triton.time_tiles import (
     TILE_K_GPU,
     add_split_time,
     build_time_tiles,
+    split_buckets,
+    split_column,
     split_flag,
     split_key,
     split_rows,
@@ -426,13 +428,13 @@ def _bwd_dq_planned_tiles(
     the rows' dS sums, for the position table's last entry."""
     far_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     rows = q_start + offs_m
-    # Key columns of the tile against each row's split column (``info >> 16``), both tile-relative.
+    # Key columns of the tile against each row's split column, both tile-relative.
     cols = tl.arange(0, TILE_K)
     for start_n in range(lo, hi, TILE_K):
         keep = split_flag(FLAGS, b, m_start, start_n, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K) != FLAG_MIXED
         info = split_rows(INFO, rows, q_ok, start_n, L_Q, TILE_K)
         first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
-        split = info >> 16
+        split = split_column(info)
         k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
                                TILE_K)
         # The position term rides on the rows' time terms: one select per score for both.
@@ -449,8 +451,9 @@ def _bwd_dq_planned_tiles(
         total = tl.sum(ds, 1)
         before = tl.sum(tl.where(cols[None, :] < split[:, None], ds, 0.0), 1)
         far_rows += total
-        tl.atomic_add(dtb_ptr + (info & 255), before, sem="relaxed")
-        tl.atomic_add(dtb_ptr + ((info >> 8) & 255), total - before, sem="relaxed")
+        first, last = split_buckets(info)
+        tl.atomic_add(dtb_ptr + first, before, sem="relaxed")
+        tl.atomic_add(dtb_ptr + last, total - before, sem="relaxed")
     return dq, far_rows
 
 

@@ -148,16 +148,29 @@ def split_rows(INFO, rows, rows_ok, n_start, L_Q, TILE_K: tl.constexpr):
 
 
 @triton.jit
+def split_buckets(info):
+    """``(first[M], last[M])``: each packed row's two buckets."""
+    return info & 255, (info >> 8) & 255
+
+
+@triton.jit
+def split_column(info):
+    """``split[M]``: each packed row's first column of the key tile in bucket ``last``."""
+    return info >> 16
+
+
+@triton.jit
 def split_time_bias(info, tb_ptr, scale, PTX: tl.constexpr):
     """The time-table entries of each row's two buckets, times ``scale``: ``(first_bias[M], last_bias[M])``."""
-    return gather(tb_ptr, info & 255, PTX) * scale, gather(tb_ptr, (info >> 8) & 255, PTX) * scale
+    first, last = split_buckets(info)
+    return gather(tb_ptr, first, PTX) * scale, gather(tb_ptr, last, PTX) * scale
 
 
 @triton.jit
 def split_key(info, n_start, TILE_K: tl.constexpr):
     """``split[M]``: each packed row's first key (sequence-relative) in bucket ``last``, in the key tile holding
     ``n_start``."""
-    return n_start // TILE_K * TILE_K + (info >> 16)
+    return n_start // TILE_K * TILE_K + split_column(info)
 
 
 @triton.jit
