@@ -64,7 +64,8 @@ def signature(fn, constexprs: dict) -> tuple[dict, dict]:
         elif name in FLOATS:
             sig[name] = "fp32"
         elif name[0].islower() or name in (
-            "P_SIZE", "T_SIZE", "H", "N_BUCKET", "AVG_BUCKET", "ROWS", "REPS", "L_Q", "L_KV", "OFF", "LD", "NQB", "NKT"
+            "P_SIZE", "T_SIZE", "H", "N_BUCKET", "AVG_BUCKET", "ROWS", "REPS", "L_Q", "L_KV", "OFF", "LD", "NQB", "NKT",
+            "L_K", "NKB", "NQT",
         ):
             sig[name] = "i32"
         else:
@@ -135,7 +136,11 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
     constexprs = dict(ACT=act, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=False, HAS_PB=bias != "none",
                       HAS_TB=bias != "none", POS_FITS=bias != "none" and full_table, FAST=True, PTX=True, DQK=128,
                       DV=128, BLOCK_DQK=128, BLOCK_DV=128, **config.kwargs)
-    constexprs.update(SPLIT=split and bias != "none", TILE_Q=TILE_Q_GPU, TILE_K=TILE_K_GPU[kernel == "dkdv"])
+    constexprs["SPLIT"] = split and bias != "none"
+    if kernel == "dkdv":
+        constexprs.update(TILE_KB=TILE_Q_GPU, TILE_QT=TILE_K_GPU)
+    else:
+        constexprs.update(TILE_Q=TILE_Q_GPU, TILE_K=TILE_K_GPU)
     if kernel == "fwd":
         constexprs["TMA"] = True
     if kernel == "dq":
@@ -147,7 +152,7 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
     names = next((order[kernel] for order in (LOOP_ORDER, FAR_LOOP_ORDER, PLANNED_LOOP_ORDER)
                   if len(order[kernel]) == len(loops)), [f"loop {i}" for i in range(len(loops))])
     scores = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] / (32 * config.num_warps)
-    planned = config.kwargs["BLOCK_M"] * constexprs["TILE_K"] / (32 * config.num_warps)
+    planned = config.kwargs["BLOCK_M"] * constexprs.get("TILE_K", 0) / (32 * config.num_warps)
     parts = " | ".join(loop_line(name, loop, planned if name == "planned" else scores)
                        for name, loop in zip(names, loops, strict=True))
     kernel = f"{kernel}-det" if constexprs.get("DETERMINISTIC") else kernel

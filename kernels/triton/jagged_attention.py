@@ -71,8 +71,6 @@ from kernels.triton.per_batch import per_batch
 from kernels.triton.time_tiles import (
     FLAG_MIXED,
     MAX_TIME_BUCKETS,
-    TILE_K_CPU,
-    TILE_K_GPU,
     add_split_time,
     build_time_tiles,
     split_buckets,
@@ -91,7 +89,7 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 # recompile the kernels for batches of the same shape.
 _NO_SPECIALIZE = [
     "stride_lse_h", "P_SIZE", "T_SIZE", "window", "N_BUCKET", "AVG_BUCKET", "ROWS", "L", "L_Q", "L_KV", "OFF", "LD",
-    "NQB", "NKT",
+    "NQB", "NKT", "L_K", "NKB", "NQT",
 ]
 
 
@@ -219,7 +217,7 @@ def _fwd_tiles(
                 split = split_key(info, start_n, TILE_K)
                 s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], offs_n[None, :], pb_ptr,
                                 tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX, CAUSAL, POS_FITS)
-                s = add_split_time(s, offs_n, split, first_bias, last_bias, False)
+                s = add_split_time(s, offs_n, split, first_bias, last_bias)
             else:
                 ts_n = tl.load(ts_base + offs_n, mask=offs_n < kv_len, other=0) if HAS_TB else offs_n
                 s, _ = add_bias(s, offs_m[:, None], offs_n[None, :], n_hist, ts_m[:, None], ts_n[None, :], pb_ptr,
@@ -438,8 +436,7 @@ def _bwd_dq_planned_tiles(
         k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
                                TILE_K)
         # The position term rides on the rows' time terms: one select per score for both.
-        s = add_split_time(tl.dot(q, tl.trans(k)) * qk_scale, cols, split, first_bias + pb_far, last_bias + pb_far,
-                           False)
+        s = add_split_time(tl.dot(q, tl.trans(k)) * qk_scale, cols, split, first_bias + pb_far, last_bias + pb_far)
         dp = tl.dot(do, tl.trans(v))
         if ACT == 0:
             ds = tl.math.exp2(s - lse[:, None]) * (dp - delta[:, None])
@@ -638,15 +635,17 @@ def _bwd_dq_kernel(
 def _bwd_dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, ts_base, stride_qm, stride_dom,
     offs_n, ts_n, q_len, lo, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-    INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
+    INFO, FLAGS, b, n_start, kv_start, L_K, NKB, NQT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, MASKED: tl.constexpr, FAR: tl.constexpr,
     FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TILE_KB: tl.constexpr,
+    TILE_QT: tl.constexpr,
 ):
     """Works on transposed tiles ``[keys, queries]`` so dK and dV are plain products. ``FAR`` tiles
-    (:func:`_far_queries_start`) add the position table's last entry to every score."""
+    (:func:`_far_queries_start`) add the position table's last entry to every score. Split time buckets come from
+    the transposed plan (:mod:`kernels.triton.time_tiles`), whose per-key vectors are this tile's rows."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     pb_far = tl.load(pb_ptr + P_SIZE - 1) * bias_scale if FAR else 0.0
@@ -657,7 +656,8 @@ def _bwd_dkdv_tiles(
         if USE_SPLIT:
             # Loaded in the tile that uses it: carried one tile ahead, as the forward does, the plan spilled registers
             # and made this pass slower (docs/benchmarks.md).
-            split_ok = split_flag(FLAGS, b, start_m, n_start, q_len, NQB, NKT, BLOCK_M, TILE_Q, TILE_K) != FLAG_MIXED
+            split_ok = split_flag(FLAGS, b, n_start, start_m, kv_len, NKB, NQT, BLOCK_N, TILE_KB,
+                                  TILE_QT) != FLAG_MIXED
         else:
             split_ok: tl.constexpr = False
         q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None],
@@ -667,13 +667,13 @@ def _bwd_dkdv_tiles(
         s_t = tl.dot(k, q_t) * qk_scale
         if HAS_PB or HAS_TB:
             if split_ok:
-                info = split_rows(INFO, q_start + offs_m, m_ok, n_start, L_Q, TILE_K)
-                split = split_key(info, n_start, TILE_K)
+                info = split_rows(INFO, kv_start + offs_n, offs_n < kv_len, start_m, L_K, TILE_QT)
+                split = split_key(info, start_m, TILE_QT)
                 first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
                 s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, offs_m[None, :], offs_n[:, None],
                                   pb_ptr, tb_ptr, P_SIZE, T_SIZE, bias_scale, HAS_PB and not FAR, False, PTX, CAUSAL,
                                   POS_FITS)
-                s_t = add_split_time(s_t, offs_n, split, first_bias, last_bias, True)
+                s_t = add_split_time(s_t, offs_m, split, first_bias, last_bias)
             else:
                 ts_m = tl.load(ts_base + offs_m, mask=m_ok, other=0) if HAS_TB else offs_m
                 s_t, _ = add_bias(s_t, offs_m[None, :], offs_n[:, None], n_hist, ts_m[None, :], ts_n[:, None],
@@ -716,11 +716,12 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV_, LSE, DELTA, Q_OFF, KV_OFF, ORDER, NT, TS, QTS, PB, TB, INFO, FLAGS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_lse_h, stride_pbh, stride_tbh,
-    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS, L_Q, NQB, NKT,
+    P_SIZE, T_SIZE, H, alpha, inv_n, window, N_BUCKET, AVG_BUCKET, ROWS, L_K, NKB, NQT,
     ACT: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TILE_KB: tl.constexpr,
+    TILE_QT: tl.constexpr,
 ):
     _, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
@@ -748,8 +749,8 @@ def _bwd_dkdv_kernel(
         if HAS_TARGETS:
             full_lo = tl.where(n_start + BLOCK_N <= n_hist, full_lo, hi)
     mid = tl.minimum(tl.maximum(full_lo, lo), hi)
-    # Split time buckets (kernels/triton/time_tiles.py) where this key block lies inside one of the plan's tiles.
-    SPLIT_N: tl.constexpr = SPLIT and TILE_K % BLOCK_N == 0
+    # Split time buckets (kernels/triton/time_tiles.py) where each query tile lies inside one of the plan's.
+    SPLIT_M: tl.constexpr = SPLIT and TILE_QT % BLOCK_M == 0
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     q_base = Q + q_start * stride_qm + h * stride_qh
@@ -764,9 +765,9 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, lo, mid, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE, T_SIZE,
-        INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
+        INFO, FLAGS, b, n_start, kv_start, L_K, NKB, NQT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, True, False, FAST, PTX, DQK, DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_M, SPLIT_N, TILE_Q, TILE_K,
+        BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT_M, TILE_KB, TILE_QT,
     )
     near_hi = hi
     if HAS_PB and CAUSAL and not POS_FITS:
@@ -774,17 +775,17 @@ def _bwd_dkdv_kernel(
     dk, dv = _bwd_dkdv_tiles(
         dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
         offs_n, ts_n, q_len, mid, near_hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE,
-        T_SIZE, INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
+        T_SIZE, INFO, FLAGS, b, n_start, kv_start, L_K, NKB, NQT,
         ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, False, FAST, PTX, DQK, DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_M, SPLIT_N, TILE_Q, TILE_K,
+        BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT_M, TILE_KB, TILE_QT,
     )
     if HAS_PB and CAUSAL and not POS_FITS:
         dk, dv = _bwd_dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, QTS + q_start, stride_qm, stride_dom,
             offs_n, ts_n, q_len, near_hi, hi, kv_len, n_hist, window, qk_scale, bias_scale, pb_ptr, tb_ptr, P_SIZE,
-            T_SIZE, INFO, FLAGS, b, n_start, q_start, L_Q, NQB, NKT,
+            T_SIZE, INFO, FLAGS, b, n_start, kv_start, L_K, NKB, NQT,
             ACT, CAUSAL, HAS_TARGETS, HAS_WINDOW, HAS_PB, HAS_TB, POS_FITS, False, True, FAST, PTX, DQK, DV,
-            BLOCK_DQK, BLOCK_DV, BLOCK_M, SPLIT_N, TILE_Q, TILE_K,
+            BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT_M, TILE_KB, TILE_QT,
         )
     tl.store(DK + kv_start * stride_dkm + h * stride_dkh + offs_n[:, None] * stride_dkm + offs_dqk[None, :],
              (dk * (alpha * ds_scale)).to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -889,18 +890,19 @@ def _dummy(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Te
     return _DUMMIES[device, dtype]
 
 
-def _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide: bool) -> tuple[tuple, dict]:
+def _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, keys_on_rows: bool) -> tuple[tuple, dict]:
     """The ``(INFO, FLAGS)`` pointers and the arguments of the split time buckets
-    (:mod:`kernels.triton.time_tiles`): the batch's plan at the forward's key-tile width, or dK/dV's
-    (``wide``); placeholders and ``SPLIT=False`` without a time table or with the switch off."""
+    (:mod:`kernels.triton.time_tiles`): the batch's plan with queries on its rows (the forward and dQ passes) or
+    keys (``keys_on_rows``, dK/dV); placeholders and ``SPLIT=False`` without a time table or with the switch off."""
     planned = time_bias is not None and call.timestamps is not None and time_bias.shape[1] <= MAX_TIME_BUCKETS
     if not planned or not settings.time_tiles():
         dummy = _dummy(q.device, torch.int32)
-        return (dummy, dummy), dict(NQB=1, NKT=1, SPLIT=False, TILE_Q=16, TILE_K=16)
+        names = ("NKB", "NQT", "TILE_KB", "TILE_QT") if keys_on_rows else ("NQB", "NKT", "TILE_Q", "TILE_K")
+        return (dummy, dummy), {**dict(zip(names, (1, 1, 16, 16), strict=True)), "SPLIT": False}
     ts = call.timestamps
     qts = call.query_timestamps if call.query_timestamps is not None else ts
     plan = build_time_tiles(ts, qts, q_offsets, kv_offsets, call.max_q_len, call.max_kv_len, time_bias.shape[1],
-                            call.causal, (TILE_K_GPU if q.is_cuda else TILE_K_CPU)[wide])
+                            call.causal, keys_on_rows)
     return (plan.info, plan.flags), {**plan.kernel_args(), "SPLIT": True}
 
 
@@ -1157,7 +1159,7 @@ class _JaggedAttentionFn(torch.autograd.Function):
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         order = _longest_first(q_offsets, kv_offsets)
         if batch * heads > 0 and call.max_q_len > 0:
-            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=False)
+            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, keys_on_rows=False)
             args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
@@ -1198,19 +1200,19 @@ class _JaggedAttentionFn(torch.autograd.Function):
         else:
             # The dQ pass's autotuner zeroes the table-gradient accumulators around each trial; they are
             # written by that pass only, so no earlier output is among them.
-            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=False)
+            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, keys_on_rows=False)
             dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
                        *tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
             _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
                     {**dq_kwargs, **tables, **split, "L_Q": q.shape[0]}, q.is_cuda)
-            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, wide=True)
+            tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, keys_on_rows=True)
             dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                          lse.stride(0))
             _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", call.max_kv_len, batch * heads, dkdv_args,
-                    {**scalars, **meta, **split, "L_Q": q.shape[0]}, q.is_cuda)
+                    {**scalars, **meta, **split, "L_K": k.shape[0]}, q.is_cuda)
         # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
         table_scale = 1.0 if call.act == "softmax" else scalars["inv_n"]
         dpb, dtb = table_grads(table_scale)

@@ -33,27 +33,32 @@ def _times(lengths: list[int], gen: torch.Generator, order: str) -> torch.Tensor
 
 @pytest.mark.parametrize("order", ["sorted", "burst", "shuffled"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_plan_flags_exactly_the_tiles_whose_rows_split_in_two(order, causal):
-    """Per (row block, key tile): ``FLAG_SPLIT`` iff every valid row holds its first key's bucket up to a split and
-    its last key's after it (one bucket included), else ``FLAG_MIXED``; per flagged row the packed (first, last,
-    split) give back every bucket of the tile. Causal plans cover the tiles before each
-    block's last row (the rest stay ``FLAG_MIXED``). The buckets are the reference's
+@pytest.mark.parametrize("keys_on_rows", [False, True], ids=["query-rows", "key-rows"])
+def test_plan_flags_exactly_the_tiles_whose_rows_split_in_two(order, causal, keys_on_rows):
+    """Per (row block, column tile): ``FLAG_SPLIT`` iff every valid row holds its first column's bucket up to a split
+    and its last column's after it (one bucket included), else ``FLAG_MIXED``; per flagged row the packed (first,
+    last, split) give back every bucket of the tile. Rows are queries and columns keys, or the transpose
+    (``keys_on_rows``, dK/dV's plan: a key's buckets along the queries). Causal plans cover the tiles before each
+    block's last row, or from its first row on (the rest stay ``FLAG_MIXED``). The buckets are the reference's
     (``kernels.pytorch.jagged_attention.time_bucket``)."""
     gen = torch.Generator().manual_seed(5)
     lengths, size = [300, 33, 0, 70], 40
     offsets = _offsets(lengths)
     ts = relative_timestamps(_times(lengths, gen, order), offsets)
-    plan = build_time_tiles(ts, ts, offsets, offsets, max(lengths), max(lengths), size, causal, TILE_K_CPU[0])
-    tq, tk = TILE_Q_CPU, TILE_K_CPU[0]
+    plan = build_time_tiles(ts, ts, offsets, offsets, max(lengths), max(lengths), size, causal, keys_on_rows)
+    tq, tk = TILE_Q_CPU, TILE_K_CPU
     seen = {FLAG_MIXED: 0, FLAG_SPLIT: 0}
     for b, n in enumerate(lengths):
         t = ts[offsets[b]: offsets[b + 1]].to(torch.int64)
         buckets = time_bucket(t[:, None] - t[None, :], size)
+        if keys_on_rows:
+            buckets = buckets.T
         for qb in range(-(-n // tq)):
             for kt in range(plan.flags.shape[2]):
                 rows, cols = slice(qb * tq, min((qb + 1) * tq, n)), slice(kt * tk, min((kt + 1) * tk, n))
                 tile = buckets[rows, cols]
-                if tile.numel() == 0 or (causal and kt * tk >= rows.stop):
+                uncovered = (kt + 1) * tk <= rows.start if keys_on_rows else kt * tk >= rows.stop
+                if tile.numel() == 0 or (causal and uncovered):
                     assert plan.flags[b, qb, kt] == FLAG_MIXED
                     continue
                 first, last = tile[:, :1], tile[:, -1:]
