@@ -10,8 +10,8 @@ loop; only the boundary tiles evaluate the mask, so masking costs a few tiles pe
 position table shorter than the sequences (the teacher's ``position_window``), the mask-free tiles
 whose every pair lies past the table's last entry run a third loop that adds that entry as one
 number (:func:`_far_keys_end`, :func:`_far_queries_start`). With a time table, the forward's and dK/dV's
-mask-free tiles read the batch's time-bucket plan (:mod:`kernels.triton.time_tiles`): where it
-allows, a row's one or two table entries instead of a bucket per score.
+mask-free tiles read the batch's time-bucket plan (:mod:`kernels.triton.time_tiles`; dK/dV its transpose, keys on
+its rows): where it allows, a row's one or two table entries instead of a bucket per score.
 
 Backward: one program per key block accumulates dK and dV over its query blocks; a second
 kernel, one program per query block, computes dQ (no atomics) and the bias-table gradients
