@@ -73,6 +73,7 @@ from kernels.triton.time_tiles import (
     MAX_TIME_BUCKETS,
     add_split_time,
     build_time_tiles,
+    plan_arg_names,
     split_buckets,
     split_column,
     split_flag,
@@ -897,8 +898,7 @@ def _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, keys_on_rows: bo
     planned = time_bias is not None and call.timestamps is not None and time_bias.shape[1] <= MAX_TIME_BUCKETS
     if not planned or not settings.time_tiles():
         dummy = _dummy(q.device, torch.int32)
-        names = ("NKB", "NQT", "TILE_KB", "TILE_QT") if keys_on_rows else ("NQB", "NKT", "TILE_Q", "TILE_K")
-        return (dummy, dummy), {**dict(zip(names, (1, 1, 16, 16), strict=True)), "SPLIT": False}
+        return (dummy, dummy), {**dict(zip(plan_arg_names(keys_on_rows), (1, 1, 16, 16), strict=True)), "SPLIT": False}
     ts = call.timestamps
     qts = call.query_timestamps if call.query_timestamps is not None else ts
     plan = build_time_tiles(ts, qts, q_offsets, kv_offsets, call.max_q_len, call.max_kv_len, time_bias.shape[1],

@@ -63,10 +63,15 @@ class TimeTiles:
     keys_on_rows: bool
 
     def kernel_args(self) -> dict:
-        """The launch's plan arguments: ``NQB, NKT, TILE_Q, TILE_K`` for query rows (the forward and dQ passes),
-        ``NKB, NQT, TILE_KB, TILE_QT`` for key rows (dK/dV)."""
-        names = ("NKB", "NQT", "TILE_KB", "TILE_QT") if self.keys_on_rows else ("NQB", "NKT", "TILE_Q", "TILE_K")
-        return dict(zip(names, (*self.flags.shape[1:], self.tile_q, self.tile_k), strict=True))
+        """The launch's plan arguments, named by :func:`plan_arg_names`."""
+        return dict(zip(plan_arg_names(self.keys_on_rows), (*self.flags.shape[1:], self.tile_q, self.tile_k),
+                        strict=True))
+
+
+def plan_arg_names(keys_on_rows: bool) -> tuple[str, str, str, str]:
+    """A kernel's names for a plan's row blocks, column tiles, block height and tile width: ``NQB, NKT, TILE_Q,
+    TILE_K`` for query rows (the forward and dQ passes), ``NKB, NQT, TILE_KB, TILE_QT`` for key rows (dK/dV)."""
+    return ("NKB", "NQT", "TILE_KB", "TILE_QT") if keys_on_rows else ("NQB", "NKT", "TILE_Q", "TILE_K")
 
 
 @triton.jit
