@@ -167,18 +167,23 @@ def max_chunks(tokens: int, batch: int) -> int:
 
 def _chunk_table(offsets: torch.Tensor, tokens: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chunk_row[max_chunks], chunk_first[B+1])``: each chunk's row (``B`` past the last chunk) and each row's
-    first chunk (an empty row has one chunk, which writes its zero sums). Once per batch (:mod:`.per_batch`)."""
+    first chunk (an empty row has one chunk, which writes its zero sums). Once per batch (:mod:`.per_batch`).
+
+    Both are views of one table, ``chunk_first`` after an even number of ``chunk_row`` entries: Triton specialises
+    the kernels on whether a pointer is 16-byte aligned, and an offset that followed ``max_chunks``' parity would
+    compile them again for a batch of another bucket (a few more rows) in the middle of training."""
+    bound = max_chunks(tokens, batch)
+    front = bound + bound % 2
 
     def compute() -> torch.Tensor:
         chunk = CHUNK_TILES * BLOCK_L
         per_row = ((offsets[1:] - offsets[:-1] + chunk - 1) // chunk).clamp(min=1)
         first = torch.cat([offsets.new_zeros(1), per_row.cumsum(0)])
-        index = torch.arange(max_chunks(tokens, batch), device=offsets.device, dtype=offsets.dtype)
+        index = torch.arange(front, device=offsets.device, dtype=offsets.dtype)
         return torch.cat([torch.searchsorted(first[1:], index, right=True), first])
 
     table = per_batch("chunk_table", (offsets,), compute, extra=(tokens, batch, CHUNK_TILES, BLOCK_L))
-    bound = max_chunks(tokens, batch)
-    return table[:bound], table[bound:]
+    return table[:bound], table[front:]
 
 
 def _row_offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:

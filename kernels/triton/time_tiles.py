@@ -74,7 +74,9 @@ def plan_arg_names(keys_on_rows: bool) -> tuple[str, str, str, str]:
     return ("NKB", "NQT", "TILE_KB", "TILE_QT") if keys_on_rows else ("NQB", "NKT", "TILE_Q", "TILE_K")
 
 
-@triton.jit
+# The token count and the block counts change with the batch: specializing on their divisibility would compile the
+# kernel again for a batch of another bucket (a few more rows, the same token budget) in the middle of training.
+@triton.jit(do_not_specialize=["T_SIZE", "L_ROWS", "NRB", "NCT"])
 def _time_tiles_kernel(ROW_TS, COL_TS, ROW_OFF, COL_OFF, INFO, FLAGS, T_SIZE, L_ROWS, NRB, NCT, CAUSAL: tl.constexpr,
                        KEYS_ON_ROWS: tl.constexpr, PTX: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr):
     """One program per (row block, sequence): the block's ``TILE_Q`` rows against each ``TILE_K``-column tile a

@@ -330,6 +330,36 @@ def test_specs_key_what_triton_specialises_on():
     assert not recording()
 
 
+def test_batches_of_another_bucket_launch_the_same_specialisations():
+    """A padded batch of another bucket has a few more rows and so a few more tokens (each row's own tokens): the
+    kernels whose arguments follow those counts must not specialise on them, or the first batch of each bucket
+    compiles kernels in the middle of training. Here 48 tokens in 3 rows against 56 in 5 (divisible by 16 or not)
+    and 48 in 4 (the modulation's chunk table then holds an odd number of chunks before its row starts)."""
+    from kernels import jagged_attention
+    from kernels.glue import jagged_silu_modulate
+
+    def specs(lengths: list[int]) -> set:
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        tokens, heads = int(offsets[-1]), 2
+        q, k, v = (torch.randn(tokens, heads, 16, requires_grad=True) for _ in range(3))
+        tables = torch.randn(heads, 8, requires_grad=True), torch.randn(heads, 8, requires_grad=True)
+        h = torch.randn(tokens, 8, requires_grad=True)
+        scale, shift = (torch.randn(len(lengths), 8, requires_grad=True) for _ in range(2))
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        with record_launches() as record:
+            out = jagged_attention(q, k, v, offsets, 32, activation="silu", causal=True, pos_bias=tables[0],
+                                   time_bias=tables[1], timestamps=torch.arange(tokens) * 37, backend="triton")
+            out.sum().backward()
+            jagged_silu_modulate(h, scale, shift, rows, backend="triton").sum().backward()
+        return set(record.specs)
+
+    first = specs([16, 16, 16])
+    assert {s.name for s in first} >= {"_time_tiles_kernel", "_modulate_fwd_kernel", "_modulate_bwd_kernel"}
+    for lengths in ([16, 16, 8, 8, 8], [12, 12, 12, 12]):
+        other = specs(lengths)
+        assert other == first, (lengths, sorted(s.name for s in other ^ first))
+
+
 def test_an_autotuned_launch_records_every_config_and_remembers_no_pick(monkeypatch):
     """Without a checked-in config a launch would autotune: the record holds each config the autotuner would
     compile, and neither the picks nor the autotuner's cache change (the real launch still tunes)."""
