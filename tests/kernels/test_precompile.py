@@ -121,6 +121,22 @@ def test_the_record_of_a_padded_batch_holds_every_launch_of_the_bucketed_step(on
     assert record.specs == real.specs and record.launches == real.launches
 
 
+def test_the_step_of_a_second_bucket_launches_what_the_first_buckets_record_compiled(on_triton):
+    """``bench_teacher --bucketed 64,72`` precompiles the first batch's step (64 rows); a later batch that needs 72
+    rows (every row adds its CLS and candidate tokens, so the sequence arch's token count changes by more than the
+    rows) must launch no kernel specialised otherwise, or it compiles in the middle of training."""
+    from foundation.model.padding import StaticShapes, pad_batch
+
+    model = tiny_teacher()
+    shapes = StaticShapes(tokens=48, rows=(64, 72), max_len=12)
+    first = pad_batch(make_batch(CTR_SCHEMA, [0, 1, 5, 9, 3, 2]), shapes)
+    second = pad_batch(make_batch(CTR_SCHEMA, [0] * 60 + [9, 8]), shapes)
+    assert (first.batch_size, second.batch_size) == (64, 72)
+    specs = [set(record_step(model, batch, autocast_dtype=None).specs) for batch in (first, second)]
+    assert "_time_tiles_kernel" in {s.name for s in specs[0]}
+    assert specs[1] == specs[0], sorted(s.name for s in specs[1] ^ specs[0])
+
+
 def test_the_record_holds_the_cast_once_copies_of_the_first_steps(on_triton):
     """With ``cast_dtype`` the record also holds the copy kernel of a step that casts once (``bench_teacher`` and
     ``gem train`` by default): the first step's refresh of the copies and, from the second step on, the gradients'
