@@ -75,7 +75,8 @@ its waits included, and the rest, adding up to the time from the build's start; 
 compiles, from the first spec recorded; ``precompile.waited_s``/``waited_for``: what the step's launches waited
 for; ``precompile.slowest``: the specs that took longest). After the first step
 one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
-in Triton's cache: what the precompile missed). A precompile that compiled every kernel leaves a manifest in the
+in Triton's cache: what the precompile missed); so does the first step of each later bucket (``later_buckets`` in the
+trace's ``static``: a kernel specialised on the new shapes compiles there, in the middle of training). A precompile that compiled every kernel leaves a manifest in the
 cache, keyed by what decides the step's kernels (:func:`precompile_key`); a later run of the same step on that cache
 records nothing and starts no compile process (one line: ``kernel precompile: skipped (cache holds ...)``).
 Fresh-machine measurement (an empty cache each run)::
@@ -213,6 +214,8 @@ def train(
     the first batch is ready when the model is), else opened here."""
     use_cuda = device.type == "cuda"
     times, flops, tokens, rows, max_lens, losses, padded = [], [], [], [], [], [], []
+    buckets_seen: set[int] = set()
+    later_buckets: list[dict] = []  # the first step of each bucket after the first step's, and its in-process compiles
     train_step = make_eager_step(model, optimizer, device, args.precision, cast_once=args.cast_once)
     shapes = static_shapes(data_cfg.token_budget, data_cfg.max_len, args.bucketed) if args.bucketed else None
     static_step = None
@@ -272,7 +275,10 @@ def train(
             )
             marks["precompile"] = started.result
         first = "first_step_process_s" not in marks
-        cached = cache_entries() if first else frozenset()
+        bucket = batch.batch_size if isinstance(batch, PaddedBatch) else None
+        new_bucket = not first and bucket is not None and bucket not in buckets_seen
+        buckets_seen.add(bucket)
+        cached = cache_entries() if first or new_bucket else frozenset()
         step_start = time.perf_counter()
         overlap = args.overlap_steps and not first
         with started.gate() if started is not None else contextlib.nullcontext():
@@ -282,6 +288,10 @@ def train(
             cached |= frozenset(marks["precompile"].pop("entries", ()))  # the pool's, written during the step
             if pool is not None:
                 pool.close(wait=False)
+        if new_bucket:
+            compiled = compiled_since(cached)
+            later_buckets.append({"step": len(rows), "rows": bucket, "compiled": compiled})
+            log_line(compiled_line(f"step {len(rows)}, the first of the {bucket}-row bucket", compiled))
         if overlap:
             now = finish(pending) if pending is not None else time.perf_counter()
             pending = loss
@@ -318,6 +328,9 @@ def train(
             "padded_steps": sum(padded),
             "eager_steps": len(padded) - sum(padded),
             "buckets_used": len(static_step.slots),
+            # Kernels compiled at a later bucket's first step are specialisations the first batch's precompile
+            # did not foresee (a stall in the middle of training).
+            "later_buckets": later_buckets,
             "graphs_captured": static_step.graphs,
             "cuda_graphs": args.cuda_graphs and not static_step.graphs_off,
             "padded": padded,

@@ -129,13 +129,18 @@ def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager
     assert counts["kinds"]["forward"]["gemm"] > 0 and counts["kinds"]["optimizer"]["elementwise"] >= 1
     assert counts["sync_sites"] == {}  # nothing in the step reads a device value on the host
     bucketed = tmp_path / "bucketed.json"
-    argv += ["--bucketed", "40,48,64", "--cuda-graphs", "--overlap-steps", "--compare-losses", str(eager),
+    argv += ["--bucketed", "33,35,64", "--cuda-graphs", "--overlap-steps", "--compare-losses", str(eager),
              "--json", str(bucketed), "--timeline", "1"]
     assert bench_teacher.main(argv) == 0
     assert "cuda graphs off: the model is on cpu; eager steps" in capsys.readouterr().out
     result = json.loads(bucketed.read_text())
     static = result["trace"]["static"]
     assert static["padded_steps"] == 3 and static["graphs_captured"] == 0 and not static["cuda_graphs"]
+    # Each bucket after the first step's, once, at its first step; nothing compiles in-process on the CPU.
+    later = static["later_buckets"]
+    assert len(later) == static["buckets_used"] - 1 >= 1, later
+    assert len({b["rows"] for b in later}) == len(later) and all(b["compiled"] == [] for b in later)
+    assert [b["step"] for b in later] == sorted({b["step"] for b in later}) and later[0]["step"] > 1
     assert result["steps_run"] == 3 and len(result["trace"]["times"]) == 3 and min(result["trace"]["times"]) > 0
     assert result["trace"]["timeline"] == {"steps": 1, "device_activity": False}  # a CPU run has no device
     comparison = result["loss_comparison"]
