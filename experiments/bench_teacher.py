@@ -75,10 +75,10 @@ its waits included, and the rest, adding up to the time from the build's start; 
 compiles, from the first spec recorded; ``precompile.waited_s``/``waited_for``: what the step's launches waited
 for; ``precompile.slowest``: the specs that took longest). After the first step
 one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it still compiled itself (new entries
-in Triton's cache: what the precompile missed); so does the first step of each later bucket (``later_buckets`` in the
-trace's ``static``: a kernel specialised on the new shapes compiles there, in the middle of training). A precompile that compiled every kernel leaves a manifest in the
-cache, keyed by what decides the step's kernels (:func:`precompile_key`); a later run of the same step on that cache
-records nothing and starts no compile process (one line: ``kernel precompile: skipped (cache holds ...)``).
+in Triton's cache: what the precompile missed); so does the first step of each later bucket (``later_buckets`` in
+the trace's ``static``: a kernel specialised on the new shapes compiles there, in the middle of training). A
+precompile that compiled every kernel leaves a manifest in the cache, keyed by what decides the step's kernels
+(:func:`precompile_key`); a later run of the same step on that cache records nothing and starts no compile process (one line: ``kernel precompile: skipped (cache holds ...)``).
 Fresh-machine measurement (an empty cache each run)::
 
     TRITON_CACHE_DIR=$(mktemp -d) python -m experiments.bench_teacher --flavor large --data /tmp/world \
