@@ -78,7 +78,8 @@ one line (and ``first_step_compiled`` in the JSON) names the Triton kernels it s
 in Triton's cache: what the precompile missed); so does the first step of each later bucket (``later_buckets`` in
 the trace's ``static``: a kernel specialised on the new shapes compiles there, in the middle of training). A
 precompile that compiled every kernel leaves a manifest in the cache, keyed by what decides the step's kernels
-(:func:`precompile_key`); a later run of the same step on that cache records nothing and starts no compile process (one line: ``kernel precompile: skipped (cache holds ...)``).
+(:func:`precompile_key`); a later run of the same step on that cache records nothing and starts no compile process
+(one line: ``kernel precompile: skipped (cache holds ...)``).
 Fresh-machine measurement (an empty cache each run)::
 
     TRITON_CACHE_DIR=$(mktemp -d) python -m experiments.bench_teacher --flavor large --data /tmp/world \
