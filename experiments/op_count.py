@@ -24,6 +24,9 @@ launch, counted on the tensors it is handed: each distinct input and output once
 counts the storage it spans, at most its elements), an indexing operator twice its output (it reads the rows it
 gathers, not the table). Run at the GPU's widths (not ``--cpu-widths``), it ranks the step's memory-bound
 passes by what they move; tokens scale every ``[T, d]`` figure linearly.
+
+Matrix products (``gemm_flops_by_site``): each one's FLOPs (two per multiply-add) by operator, operand shapes and
+site, the same way: which products a step's GEMM time is spent on, and at which shapes.
 """
 
 from __future__ import annotations
@@ -144,6 +147,7 @@ class OpCounter(TorchDispatchMode):
         self.kinds: Counter[tuple[str, str]] = Counter()
         self.sites: Counter[tuple[str, str]] = Counter()
         self.site_bytes: Counter[tuple[str, str]] = Counter()
+        self.site_flops: Counter[tuple[str, str]] = Counter()
         self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -156,7 +160,24 @@ class OpCounter(TorchDispatchMode):
             if kind not in NO_KERNEL:
                 self.sites[self.phase, f"{name} at {site}"] += 1
                 self.site_bytes[self.phase, f"{kind} {name} at {site}"] += traffic_bytes(kind, (args, kwargs), out)
+            if kind == "gemm":
+                shapes = " @ ".join(str(list(a.shape)) for a in args if isinstance(a, torch.Tensor) and a.dim() > 1)
+                self.site_flops[self.phase, f"{name} {shapes} at {site}"] += gemm_flops(name, args, out)
         return out
+
+
+# Products whose first argument is the term they add to: their contracted operand comes second.
+_ACCUMULATING = {"addmm", "baddbmm", "addbmm", "addmv"}
+
+
+def gemm_flops(name: str, args: tuple, out) -> int:
+    """FLOPs of a matrix product: two per multiply-add, ``2 x output elements x contracted length`` (``addbmm``
+    also sums its batch, ``dot`` has one output)."""
+    first = args[1] if name in _ACCUMULATING else args[0]
+    if not isinstance(first, torch.Tensor) or not isinstance(out, torch.Tensor) or first.dim() == 0:
+        return 0
+    outputs = 1 if name == "dot" else out.numel() * (first.shape[0] if name == "addbmm" else 1)
+    return 2 * outputs * first.shape[-1]
 
 
 def caller_in_project() -> str:
@@ -332,6 +353,8 @@ def summarize_counts(
     host_ms = {p: (wall[p] - inside[p]) / timed * 1e3 for p in PHASES}
     site_bytes = {p: {s: n / counted for (q, s), n in counter.site_bytes.most_common() if q == p} for p in PHASES}
     triton_bytes = {p: {k: n / counted for (q, k), n in launch_bytes.most_common() if q == p} for p in PHASES}
+    gemm_flops_by_site = {p: {s: n / counted for (q, s), n in counter.site_flops.most_common() if q == p}
+                          for p in PHASES}
     return {
         "steps_counted": counted,
         "steps_timed": timed,
@@ -350,6 +373,8 @@ def summarize_counts(
         "bytes_by_site": site_bytes,
         "triton_bytes": triton_bytes,
         "bytes_total": math.fsum(n for table in (*site_bytes.values(), *triton_bytes.values()) for n in table.values()),
+        "gemm_flops_by_site": gemm_flops_by_site,
+        "gemm_flops_total": math.fsum(n for table in gemm_flops_by_site.values() for n in table.values()),
     }
 
 
@@ -381,6 +406,11 @@ def format_counts(summary: dict) -> str:
     if "bytes_total" in summary:
         lines.append(f"modelled bytes per step: {summary['bytes_total'] / 2**20:.1f} MiB; the largest:")
         lines += [f"  {mib:10.1f} MiB  {phase:9s} {site}" for mib, phase, site in largest_movers(summary, 12)]
+    if summary.get("gemm_flops_total"):
+        rows = sorted(((n, p, site) for p, table in summary["gemm_flops_by_site"].items() for site, n in table.items()),
+                      reverse=True)
+        lines.append(f"matrix products per step: {summary['gemm_flops_total'] / 1e9:.1f} GFLOP; the largest:")
+        lines += [f"  {n / 1e9:10.2f} GFLOP  {p:9s} {site}" for n, p, site in rows[:12]]
     if summary["sync_sites"]:
         lines.append("would sync on CUDA: " + ", ".join(f"{s} x{n:.0f}" for s, n in summary["sync_sites"].items()))
     return "\n".join(lines)

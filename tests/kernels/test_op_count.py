@@ -146,3 +146,21 @@ def test_counts_report_bytes_per_site_and_kernel():
     # The LayerNorm launch: x and its output [5, 16], weight, bias, mean and rstd [5] (placeholders counted once).
     assert counts["triton_bytes"]["forward"]["_ln_fwd_kernel"] == (80 + 16 + 16 + 80 + 5 + 5) * 4
     assert counts["bytes_total"] >= sum(forward.values())
+
+
+def test_counts_report_matrix_product_flops_by_shape_and_site():
+    from experiments.op_count import gemm_flops
+
+    a, b, batch = torch.randn(5, 8), torch.randn(8, 3), torch.randn(4, 5, 8)
+    assert gemm_flops("mm", (a, b), a @ b) == 2 * 5 * 8 * 3
+    assert gemm_flops("addmm", (torch.randn(3), a, b), a @ b) == 2 * 5 * 8 * 3
+    assert gemm_flops("bmm", (batch, torch.randn(4, 8, 3)), batch @ torch.randn(4, 8, 3)) == 2 * 4 * 5 * 8 * 3
+    assert gemm_flops("addbmm", (torch.randn(5, 3), batch, torch.randn(4, 8, 3)), torch.randn(5, 3)) == 2 * 4 * 5 * 8 * 3
+    model, optimizer = tiny_model()
+    counts = count_steps(make_step(model, optimizer), [torch.randn(5, 8) for _ in range(3)], 1)
+    forward = counts["gemm_flops_by_site"]["forward"]
+    # The two linears: x [5, 8] by the first weight (transposed [8, 16]), then [5, 16] by the second's [16, 1].
+    assert sorted(forward.values()) == [2 * 5 * 16 * 1, 2 * 5 * 8 * 16]
+    assert any(site.startswith("addmm [5, 8] @ [8, 16] at tests/kernels/test_op_count.py:") for site in forward)
+    # The backward's input and weight gradients: twice the forward's products, less the first input's gradient.
+    assert counts["gemm_flops_total"] == pytest.approx(sum(forward.values()) + 2 * 5 * 16 * 1 * 2 + 2 * 5 * 8 * 16)
