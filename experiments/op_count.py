@@ -378,14 +378,10 @@ def summarize_counts(
     }
 
 
-def largest_movers(summary: dict, count: int) -> list[tuple[float, str, str]]:
-    """The ``count`` operator sites and Triton kernels that move the most bytes per step: ``(MiB, phase, name)``."""
-    rows = [
-        (n / 2**20, phase, name)
-        for key in ("bytes_by_site", "triton_bytes")
-        for phase, table in summary[key].items()
-        for name, n in table.items()
-    ]
+def largest(summary: dict, keys: tuple[str, ...], count: int) -> list[tuple[float, str, str]]:
+    """The ``count`` largest entries of the summary's per-phase tables ``keys`` (e.g. the operator sites and Triton
+    kernels that move the most bytes per step): ``(value, phase, name)``."""
+    rows = [(n, phase, name) for key in keys for phase, table in summary[key].items() for name, n in table.items()]
     return sorted(rows, reverse=True)[:count]
 
 
@@ -405,12 +401,11 @@ def format_counts(summary: dict) -> str:
         lines.append(f"{p} by kind: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["kinds"][p].items()))
     if "bytes_total" in summary:
         lines.append(f"modelled bytes per step: {summary['bytes_total'] / 2**20:.1f} MiB; the largest:")
-        lines += [f"  {mib:10.1f} MiB  {phase:9s} {site}" for mib, phase, site in largest_movers(summary, 12)]
+        movers = largest(summary, ("bytes_by_site", "triton_bytes"), 12)
+        lines += [f"  {n / 2**20:10.1f} MiB  {phase:9s} {site}" for n, phase, site in movers]
     if summary.get("gemm_flops_total"):
-        rows = sorted(((n, p, site) for p, table in summary["gemm_flops_by_site"].items() for site, n in table.items()),
-                      reverse=True)
         lines.append(f"matrix products per step: {summary['gemm_flops_total'] / 1e9:.1f} GFLOP; the largest:")
-        lines += [f"  {n / 1e9:10.2f} GFLOP  {p:9s} {site}" for n, p, site in rows[:12]]
+        lines += [f"  {n / 1e9:10.2f} GFLOP  {p:9s} {site}" for n, p, site in largest(summary, ("gemm_flops_by_site",), 12)]
     if summary["sync_sites"]:
         lines.append("would sync on CUDA: " + ", ".join(f"{s} x{n:.0f}" for s, n in summary["sync_sites"].items()))
     return "\n".join(lines)
