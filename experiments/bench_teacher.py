@@ -48,6 +48,9 @@ smallest of the comma-separated row counts that holds it (:mod:`foundation.model
 gradients do not change) and trains those through :class:`gem.loop.StaticStep`, one set of static buffers
 per bucket; ``--cuda-graphs`` then captures each bucket's dense forward and backward into a CUDA graph
 after ``--graph-warmup`` eager steps and replays it (a failed capture prints one line and runs eagerly).
+With graphs, every bucket's warm-up steps and capture run right after the first step, before the timed steps,
+on stand-ins made from the first batch (``prepare_buckets``: their seconds and buckets; ``--no-prepare-buckets``
+leaves each to its first batch, inside the timed steps).
 Throughput counts the real rows and tokens only. ``--no-cast-once`` restores autocast's cast of every
 parameter at every use (:class:`foundation.model.precision.CastOnce` casts once per step, same values; in the
 static step, inside its graph). ``--optimizer master`` (default) steps with
@@ -317,6 +320,9 @@ def train(
             if marks["first_step_autotuned"]:
                 log_line(f"first step: {len(marks['first_step_autotuned'])} attention launches autotuned (no "
                          f"checked-in config: --write-tuned adds them), first {marks['first_step_autotuned'][0]}")
+            if static_step is not None and args.cuda_graphs and args.prepare_buckets:
+                marks["prepare_buckets"] = prepare_buckets(static_step, batch, shapes, device)
+                start = last = time.perf_counter()
         if now - start > args.time_limit:
             print(f"time limit {args.time_limit} s reached after {len(rows)} steps", flush=True)
             break
@@ -328,7 +334,7 @@ def train(
             "bucket_rows": list(shapes.rows),
             "padded_steps": sum(padded),
             "eager_steps": len(padded) - sum(padded),
-            "buckets_used": len(static_step.slots),
+            "buckets_used": len(buckets_seen - {None}),
             # Kernels compiled at a later bucket's first step are specialisations the first batch's precompile
             # did not foresee (a stall in the middle of training).
             "later_buckets": later_buckets,
@@ -377,6 +383,19 @@ class LossReadback:
 
 def log_line(line: str) -> None:
     print(line, flush=True)
+
+
+def prepare_buckets(static_step: StaticStep, batch, shapes, device: torch.device) -> dict:
+    """Every bucket's warm-up and capture on a stand-in made from the first batch (:meth:`StaticStep.prepare`),
+    timed; the kernels it compiled in-process are named, as a later bucket's first step names them."""
+    cached = cache_entries()
+    started = time.perf_counter()
+    buckets = static_step.prepare(batch, shapes)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    done = {"s": time.perf_counter() - started, "buckets": buckets, "compiled": compiled_since(cached)}
+    log_line(compiled_line(f"buckets {buckets} prepared in {done['s']:.2f} s", done["compiled"]))
+    return done
 
 
 def make_eager_step(model, optimizer, device: torch.device, precision: str, *, cast_once: bool = True) -> Callable:
@@ -652,6 +671,7 @@ def run(args: argparse.Namespace) -> dict:
             "first_step_compiled": marks.get("first_step_compiled"),
             "first_step_parts": marks.get("first_step_parts"),
             "first_step_autotuned": marks.get("first_step_autotuned"),
+            "prepare_buckets": marks.get("prepare_buckets"),
             "precompile_s": precompile_seconds(marks.get("precompile")),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             **summarize(trace, args.warmup, peak),
@@ -828,6 +848,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --bucketed: capture each bucket's dense forward and backward into a CUDA graph and replay it",
     )
     parser.add_argument("--graph-warmup", type=int, default=1, help="eager steps per bucket before its capture")
+    parser.add_argument(
+        "--prepare-buckets", action=argparse.BooleanOptionalAction, default=True,
+        help="with --cuda-graphs: after the first step, warm up and capture every bucket on a stand-in made from "
+        "the first batch (gem.loop.StaticStep.prepare; reported as prepare_buckets, outside the timed steps), so "
+        "that no bucket's first batch captures in the middle of training",
+    )
     parser.add_argument(
         "--precompile", action=argparse.BooleanOptionalAction, default=None,
         help="before the first step, record its Triton launches and compile them in a process pool (default: on "

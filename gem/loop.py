@@ -19,7 +19,7 @@ from torch import nn
 
 from foundation.data.batch import JaggedBatch
 from foundation.model.flops import peak_flops, throughput_metrics
-from foundation.model.padding import PaddedBatch
+from foundation.model.padding import PaddedBatch, StaticShapes, bucket_stand_in
 from foundation.model.precision import CastOnce
 
 
@@ -231,17 +231,7 @@ class StaticStep:
         return sum(slot.graph is not None for slot in self.slots.values())
 
     def __call__(self, batch: JaggedBatch) -> dict[str, torch.Tensor]:
-        slot = self.slot_for(batch)
-        _copy_tensors(slot.batch, batch)
-        slot.batch.sparse = batch.sparse.to(self.device, non_blocking=True)
-        lookups = self.model.look_up(slot.batch)
-        produced = _lookup_tensors(lookups)
-        if slot.leaves is None:
-            slot.leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in produced]
-            slot.lookups = _rebuild_lookups(lookups, slot.leaves)
-        with torch.no_grad():
-            for leaf, value in zip(slot.leaves, produced, strict=True):
-                leaf.copy_(value)
+        slot, produced = self.load(batch)
         discovered = self.cast_once is not None and self.cast_once.discovered
         losses, grads = self.run_dense(slot)
         if self.cast_once is not None and not discovered and self.cast_once.discovered:
@@ -273,6 +263,48 @@ class StaticStep:
         self.optimizer.step()
         slot.steps += 1
         return {name: value.clone() for name, value in losses.items()}  # a replay overwrites the outputs
+
+    def load(self, batch: JaggedBatch) -> tuple[_Slot, list[torch.Tensor]]:
+        """The batch copied into its bucket's buffers and its lookups run (eagerly) into the slot's leaves; returns
+        the slot and the lookups' own tensors (whose graph leads back into the tables)."""
+        slot = self.slot_for(batch)
+        _copy_tensors(slot.batch, batch)
+        slot.batch.sparse = batch.sparse.to(self.device, non_blocking=True)
+        lookups = self.model.look_up(slot.batch)
+        produced = _lookup_tensors(lookups)
+        if slot.leaves is None:
+            slot.leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in produced]
+            slot.lookups = _rebuild_lookups(lookups, slot.leaves)
+        with torch.no_grad():
+            for leaf, value in zip(slot.leaves, produced, strict=True):
+                leaf.copy_(value)
+        return slot, produced
+
+    def prepare(self, batch: JaggedBatch, shapes: StaticShapes) -> list[int]:
+        """Run every bucket's warm-up steps and, with CUDA graphs, its capture now, each on a stand-in of the
+        bucket made from ``batch`` (:func:`~foundation.model.padding.bucket_stand_in`), so that no later step
+        pays them: a bucket's first batches otherwise run eagerly and capture in the middle of training (where
+        data-parallel ranks would all wait for the one that does).
+
+        The stand-ins' dense passes only warm up: their gradients are dropped, no parameter, gradient or
+        optimizer state changes, and the random-number generators are restored after them, so training goes on
+        exactly as it would without this call. Returns the buckets warmed up (one whose stand-in cannot be made
+        is left to its first batch)."""
+        prepared = []
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            for rows in shapes.rows:
+                stand_in = bucket_stand_in(batch, shapes, rows)
+                if stand_in is None:
+                    continue
+                slot, _ = self.load(stand_in)
+                while slot.steps < self.config.warmup_steps:
+                    self.run_dense(slot)
+                    slot.steps += 1
+                if not self.graphs_off and slot.graph is None:
+                    self.run_dense(slot)  # the capture (or, where it fails, the switch to eager steps)
+                prepared.append(rows)
+        return prepared
 
     def slot_for(self, batch: JaggedBatch) -> _Slot:
         """The bucket's slot, with static copies of the batch's tensors on the device (made on first use)."""

@@ -83,6 +83,7 @@ class RecModule(L.LightningModule):
         # Made at the first training step that uses them (they need the optimizer, or watch a step).
         self.cast_once: CastOnce | None = None
         self.static_step: StaticStep | None = None
+        self.prepared_buckets: list[int] | None = None
         # The last step's losses (detached, read only when logged) and the last validation's metrics, which
         # gem.callbacks.RecordAndCheckpoint logs to MLflow.
         self.step_losses: dict[str, torch.Tensor] = {}
@@ -166,14 +167,19 @@ class RecModule(L.LightningModule):
         self.throughput.start_clock()
 
     def training_step(self, batch: JaggedBatch, batch_idx: int) -> torch.Tensor:
-        """One optimiser step: a padded batch (``train.bucket_rows``) through :class:`gem.loop.StaticStep`, any
+        """One optimiser step: a padded batch (``train.bucket_rows``) through :class:`gem.loop.StaticStep` (with
+        ``train.cuda_graphs``, every bucket prepared after the first: :meth:`~gem.loop.StaticStep.prepare`), any
         other through :func:`gem.loop.train_step`, whose loss is weighted by the strategy's share of a global
         batch (``loss_weight``, 1 on one device; the static step runs on one device only). Returns the
         weighted loss, detached."""
         optimizer = self.optimizers()
         weight = getattr(self.trainer.strategy, "loss_weight", 1.0)
         if isinstance(batch, PaddedBatch) and self.step_options.shapes is not None:
-            losses = self.build_static_step(optimizer)(batch)
+            static_step = self.build_static_step(optimizer)
+            losses = static_step(batch)
+            if self.step_options.graphs.cuda_graphs and self.prepared_buckets is None:
+                # Every bucket's warm-up and capture now, not at its first batch in the middle of training.
+                self.prepared_buckets = static_step.prepare(batch, self.step_options.shapes)
         else:
             losses = train_step(
                 self.model,

@@ -117,7 +117,8 @@ def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager
     """`--count-ops N` counts the eager step's operators by phase; `--bucketed` pads the same batches to static
     shapes and trains them through gem.loop.StaticStep with the same losses (float32, no dropout: padding
     changes nothing but rounding), also when each step's loss is read only after the next is enqueued
-    (`--overlap-steps`); `--cuda-graphs` on a CPU says so once and runs eagerly; `--timeline` profiles one more."""
+    (`--overlap-steps`); `--cuda-graphs` on a CPU says so once and runs eagerly, each bucket warmed up after the
+    first step (`--prepare-buckets`) without changing a loss; `--timeline` profiles one more."""
     argv = ["--flavor", "debug", "--steps", "3", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
             "--max-history", "64", "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"),
             "--precision", "fp32", "dropout=0.0"]
@@ -141,6 +142,9 @@ def test_bench_teacher_counts_host_work_and_trains_bucketed_batches_as_the_eager
     assert len(later) == static["buckets_used"] - 1 >= 1, later
     assert len({b["rows"] for b in later}) == len(later) and all(b["compiled"] == [] for b in later)
     assert [b["step"] for b in later] == sorted({b["step"] for b in later}) and later[0]["step"] > 1
+    # Every bucket a stand-in of the first batch fits was warmed up after the first step, outside the timed steps.
+    prepared = result["prepare_buckets"]
+    assert prepared["buckets"] and set(prepared["buckets"]) <= {33, 35, 64} and prepared["compiled"] == []
     assert result["steps_run"] == 3 and len(result["trace"]["times"]) == 3 and min(result["trace"]["times"]) > 0
     assert result["trace"]["timeline"] == {"steps": 1, "device_activity": False}  # a CPU run has no device
     comparison = result["loss_comparison"]

@@ -75,15 +75,17 @@ def fit(dataset, tmp_path, overrides: list[str]) -> tuple[StepTrace, RecModule]:
 
 def test_bucketed_batches_train_through_the_static_step_as_the_plain_step(dataset, tmp_path, caplog):
     """Padded in two DataLoader workers, every batch goes through gem.loop.StaticStep (on CPU the graphs are off,
-    said once); float32 losses and parameters match the plain step's."""
+    said once), each bucket prepared after the first step; float32 losses and parameters match the plain step's."""
     steps = ["train.max_steps=6", "data.num_workers=2"]
     plain, plain_module = fit(dataset, tmp_path / "plain", steps)
     with caplog.at_level(logging.WARNING, logger="gem.module"):
         bucketed, module = fit(dataset, tmp_path / "bucketed", [*steps, *BUCKETED])
     assert plain_module.static_step is None and not any(plain.padded)
     assert bucketed.padded == [True] * 6
-    assert sum(slot.steps for slot in module.static_step.slots.values()) == 6
-    assert {tuple(s.batch.offsets.shape) for s in module.static_step.slots.values()} <= {(25,), (37,)}
+    # Both buckets were prepared after the first step (their warm-up steps count: 2 each, one the first batch's).
+    assert module.prepared_buckets == [24, 36]
+    assert sum(slot.steps for slot in module.static_step.slots.values()) == 6 + 2 * 2 - 1
+    assert {tuple(s.batch.offsets.shape) for s in module.static_step.slots.values()} == {(25,), (37,)}
     lines = [r.getMessage() for r in caplog.records if r.name == "gem.module"]
     assert lines == ["cuda graphs off: the model is on cpu; eager steps"]
     torch.testing.assert_close(torch.tensor(bucketed.losses), torch.tensor(plain.losses), rtol=0, atol=1e-5)

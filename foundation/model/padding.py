@@ -24,6 +24,7 @@ numbers per token, so a padded batch draws other numbers than the unpadded one (
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -55,13 +56,23 @@ class StaticShapes:
         if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
             raise ValueError(f"static shapes: rows must be ascending positive counts, got {self.rows}")
 
+    def rows_needed(self, rows: int, tokens: int) -> int | None:
+        """The rows a batch of ``rows`` rows and ``tokens`` tokens has once padded (its own and the padding rows
+        its missing tokens need), or None when it has more tokens than ``tokens``."""
+        if tokens > self.tokens:
+            return None
+        return rows + -(-(self.tokens - tokens) // self.max_len)
+
+    def holds(self, rows: int, tokens: int, bucket: int) -> bool:
+        """Whether a batch of ``rows`` rows and ``tokens`` tokens fits ``bucket`` rows once padded."""
+        needed = self.rows_needed(rows, tokens)
+        return needed is not None and needed <= bucket
+
     def rows_for(self, rows: int, tokens: int) -> int | None:
         """The bucket of a batch of ``rows`` rows and ``tokens`` tokens, or None when none holds it (or it
         has more tokens than ``tokens``)."""
-        if tokens > self.tokens:
-            return None
-        needed = rows + -(-(self.tokens - tokens) // self.max_len)
-        return next((r for r in self.rows if r >= needed), None)
+        needed = self.rows_needed(rows, tokens)
+        return None if needed is None else next((r for r in self.rows if r >= needed), None)
 
 
 def static_shapes(tokens: int, max_len: int, rows: str | tuple[int, ...]) -> StaticShapes:
@@ -88,19 +99,25 @@ class PaddedBatch(JaggedBatch):
     real_tokens: int = 0
 
 
-def pad_batch(batch: JaggedBatch, shapes: StaticShapes) -> PaddedBatch | None:
+def pad_batch(batch: JaggedBatch, shapes: StaticShapes, rows: int | None = None) -> PaddedBatch | None:
     """``batch`` padded to ``shapes`` (module doc), or None when no bucket holds it.
 
     The padding rows come after the real ones: first as many rows of ``shapes.max_len`` tokens (the last one
     shorter) as the missing tokens need, then empty rows up to the bucket. Their ids, times and features are
-    zeros, their feature bags empty, their labels absent. Works on host (or device) tensors alike.
+    zeros, their feature bags empty, their labels absent. Works on host (or device) tensors alike. ``rows``:
+    pad to that bucket of ``shapes`` (None when it does not hold the batch) instead of the smallest that holds it.
     """
     if isinstance(batch, PaddedBatch):
         raise ValueError("pad_batch: the batch is padded already")
     b, num_tokens = batch.batch_size, batch.num_tokens
     if batch.max_len > shapes.max_len:
         raise ValueError(f"pad_batch: a row has {batch.max_len} history tokens, more than max_len={shapes.max_len}")
-    rows = shapes.rows_for(b, num_tokens)
+    if rows is None:
+        rows = shapes.rows_for(b, num_tokens)
+    elif rows not in shapes.rows:
+        raise ValueError(f"pad_batch: {rows} rows is not a bucket of {shapes.rows}")
+    elif not shapes.holds(b, num_tokens, rows):
+        rows = None
     if rows is None:
         return None
     pad_rows, pad_tokens = rows - b, shapes.tokens - num_tokens
@@ -130,6 +147,44 @@ def pad_batch(batch: JaggedBatch, shapes: StaticShapes) -> PaddedBatch | None:
         row_is_real=torch.arange(rows, device=offsets.device) < b,
         real_rows=b,
         real_tokens=num_tokens,
+    )
+
+
+def bucket_stand_in(batch: JaggedBatch, shapes: StaticShapes, rows: int) -> PaddedBatch | None:
+    """A batch of bucket ``rows`` made from ``batch``'s real rows (a padded batch's are its first
+    ``real_rows``): as many of its first rows as the bucket holds with the padding rows the token budget then
+    needs, or None when not even its first row fits (a bucket too small for the budget's tokens).
+
+    A stand-in has a bucket's shapes and real values, for whatever must see every bucket before training does
+    (:meth:`gem.loop.StaticStep.prepare` warms up and captures each bucket's step on one)."""
+    real = first_rows(batch, batch.real_rows) if isinstance(batch, PaddedBatch) else batch
+    ends = real.offsets.tolist()
+    kept = next((k for k in range(real.batch_size, 0, -1) if shapes.holds(k, ends[k] - ends[0], rows)), None)
+    return None if kept is None else pad_batch(first_rows(real, kept), shapes, rows=rows)
+
+
+def first_rows(batch: JaggedBatch, rows: int) -> JaggedBatch:
+    """The first ``rows`` rows of ``batch`` (their history tokens, feature bags, labels) as an unpadded
+    :class:`JaggedBatch`; ``max_len`` is their longest history. Host tensors: reads offsets."""
+    if not 0 <= rows <= batch.batch_size:
+        raise ValueError(f"first_rows: {rows} rows of a batch of {batch.batch_size}")
+    start, end = (int(x) for x in batch.offsets[[0, rows]])
+    per_row = {
+        name: getattr(batch, name)[:rows] for name in ("dense", "candidate", "domain", "timestamp", "user_id", "example_id")
+    }
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(JaggedBatch)}
+    return JaggedBatch(
+        **{
+            **fields,
+            **per_row,
+            "history": {k: v[start:end] for k, v in batch.history.items()},
+            "offsets": batch.offsets[: rows + 1],
+            "max_len": int(batch.lengths[:rows].max()) if rows else 0,
+            "sparse": _first_bags(batch.sparse, rows),
+            "labels": {k: v[:rows] for k, v in batch.labels.items()},
+            "label_mask": {k: v[:rows] for k, v in batch.label_mask.items()},
+            "oracle": {k: v[:rows] for k, v in batch.oracle.items()},
+        }
     )
 
 
@@ -165,6 +220,26 @@ def _pad_bags(sparse: KeyedJaggedTensor, n: int) -> KeyedJaggedTensor:
         lengths=lengths,
         stride=sparse.stride() + n,
         length_per_key=sparse.length_per_key(),
+    )
+
+
+def _first_bags(sparse: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:
+    """The KJT's first ``rows`` bags of every key."""
+    keys = sparse.keys()
+    if not keys:
+        return KeyedJaggedTensor(keys=[], values=sparse.values(), lengths=sparse.lengths(), stride=rows)
+    lengths = sparse.lengths().view(len(keys), -1)[:, :rows]
+    kept = lengths.sum(1).tolist()
+    starts = [0, *itertools.accumulate(sparse.length_per_key())][:-1]
+    index = torch.cat([torch.arange(s, s + n, device=lengths.device) for s, n in zip(starts, kept, strict=True)])
+    weights = sparse.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=sparse.values()[index],
+        weights=None if weights is None else weights[index],
+        lengths=lengths.flatten(),
+        stride=rows,
+        length_per_key=kept,
     )
 
 
