@@ -56,7 +56,8 @@ class TrainConfig:
     batch is padded to ``data.token_budget`` tokens and the smallest count that holds it, in the DataLoader's
     workers, and trained through :class:`~gem.loop.StaticStep` on static buffers per bucket; empty: off);
     ``cuda_graphs`` (with ``bucket_rows``, on CUDA: each bucket's dense forward and backward are captured into
-    a CUDA graph after ``graph_warmup`` eager steps and replayed). Single-device only: under
+    a CUDA graph after ``graph_warmup`` eager steps and replayed; every bucket's warm-up and capture run right
+    after the first step: :meth:`~gem.loop.StaticStep.prepare`). Single-device only: under
     ``parallel.enabled`` they are off, with one logged line. ``precompile_kernels`` (on CUDA, single device):
     the first step's Triton kernels are compiled in parallel before it runs (:mod:`gem.precompile`).
     """
