@@ -695,6 +695,9 @@ def build_optimizer(model, args: argparse.Namespace) -> torch.optim.Optimizer:
     forward). No weight decay either way."""
     if args.optimizer == "master":
         return MasterAdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if model.cfg.sparse_tables:
+        raise SystemExit("--optimizer adamw: torch's AdamW takes no sparse gradients; sparse_tables=True needs "
+                         "--optimizer master")
     # Fused: a few multi-tensor kernels per step where the default for-each path launches several per tensor.
     return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
 

@@ -284,7 +284,7 @@ class RecModule(L.LightningModule):
     def configure_optimizers(self):
         """AdamW, fused (one kernel per step instead of several per parameter) where :func:`fuses_adamw` allows;
         with ``train.cast_once`` there, :class:`MasterAdamW` (the same update, which also reads the bf16 copies'
-        gradients and writes the copies in its pass)."""
+        gradients and writes the copies in its pass), which also steps ``model.teacher.sparse_tables``' rows."""
         params = self.parameters()
         if self.sharing is not None:
             # Shared teacher parameters train by the sharing policy: frozen, or in a lower-lr group.
@@ -292,7 +292,8 @@ class RecModule(L.LightningModule):
         # Under parallel.enabled the distributed checkpoint pre-allocates AdamW's state as the unfused
         # optimizer keeps it (the step count on the host), so the default implementation stays.
         fused = not self.cfg.parallel.enabled and fuses_adamw(list(self.parameters()))
-        if fused and self.step_options.cast_once:
+        sparse = self.cfg.model.arch == "teacher" and self.cfg.model.teacher.sparse_tables
+        if (fused and self.step_options.cast_once) or sparse:  # torch's AdamW takes no sparse gradients
             return MasterAdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
         return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay, fused=fused)
 

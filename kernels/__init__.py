@@ -33,6 +33,7 @@ from kernels.glue import (
     multi_adamw,
     multi_copy,
     residual_layer_norm,
+    row_adamw,
     silu_split,
     unbind_pair,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "multi_copy",
     "residual_layer_norm",
     "route_jagged_attention",
+    "row_adamw",
     "silu_split",
     "unbind_pair",
 ]

@@ -413,3 +413,50 @@ def multi_adamw(
         from kernels.pytorch.adamw import multi_adamw as impl
     impl(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), copies, lr=lr, betas=betas, eps=eps,
          weight_decay=weight_decay, step=step)
+
+
+def row_adamw(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    rows: torch.Tensor,
+    grad_rows: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    step: int,
+    backend: str = "auto",
+) -> None:
+    """One lazy AdamW step of an embedding table on the rows a step looked up: what an embedding's sparse gradient
+    (``nn.Embedding(sparse=True)``: its ``_indices()[0]`` and ``_values()``) asks for, with no dense gradient and
+    no pass over the untouched rows.
+
+    Args:
+        param: ``[R, D]`` float32 table, updated in place on the named rows only.
+        exp_avg, exp_avg_sq: ``[R, D]`` float32 moments, contiguous, updated on the same rows.
+        rows: ``[N]`` int64 row ids, repeats allowed (each distinct row steps once, on the sum of its entries).
+        grad_rows: ``[N, D]`` the entries' gradients (float32 or bf16).
+        lr, betas, eps, weight_decay, step: as :func:`multi_adamw` (decay applies to the named rows only).
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+    """
+    if param.dim() != 2 or param.dtype != torch.float32 or not param.is_contiguous():
+        raise ValueError(f"row_adamw: param must be a contiguous float32 [R, D] table, got {param.dtype} {tuple(param.shape)}")
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.shape != param.shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"row_adamw: {name} must be contiguous float32 {tuple(param.shape)}, got {t.dtype} {tuple(t.shape)}")
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"row_adamw: rows must be 1-D integer ids, got {rows.dtype} {tuple(rows.shape)}")
+    if grad_rows.shape != (rows.numel(), param.shape[1]):
+        raise ValueError(f"row_adamw: grad_rows {tuple(grad_rows.shape)}, expected {(rows.numel(), param.shape[1])}")
+    if step < 1:
+        raise ValueError(f"row_adamw: step counts from 1, got {step}")
+    if any(t.device != param.device for t in (exp_avg, exp_avg_sq, rows, grad_rows)):
+        raise ValueError(f"row_adamw: not every tensor is on {param.device}")
+    if _resolve(backend, param) == "triton":
+        from kernels.triton.adamw import row_adamw as impl
+    else:
+        from kernels.pytorch.adamw import row_adamw as impl
+    impl(param, exp_avg, exp_avg_sq, rows.to(torch.int64), grad_rows.contiguous(), lr=lr, betas=betas, eps=eps,
+         weight_decay=weight_decay, step=step)

@@ -96,6 +96,24 @@ def test_bucketed_batches_train_through_the_static_step_as_the_plain_step(datase
         torch.testing.assert_close(value, plain_module.model.state_dict()[name], rtol=1e-4, atol=5e-5, msg=name)
 
 
+def test_sparse_tables_train_through_the_static_step_and_refuse_clipping(dataset, tmp_path):
+    """``model.teacher.sparse_tables``: the tables' gradients are sparse, MasterAdamW steps them (whatever
+    ``train.cast_once`` says), the loss falls; a norm clip or a parallel run is refused in one line."""
+    sparse = ["model.teacher.sparse_tables=true", "train.grad_clip=0"]
+    trace, module = fit(dataset, tmp_path / "sparse", ["train.max_steps=8", *sparse, *BUCKETED])
+    assert isinstance(module.optimizers().optimizer, MasterAdamW)
+    table = module.model.items.collection.embeddings["t_item"].weight
+    assert table.grad.is_sparse and trace.padded == [True] * 8
+    assert trace.losses[-1] < trace.losses[0]
+    cfg = get_flavor("teacher-debug")
+    apply_overrides(cfg, [*sparse, "train.grad_clip=1.0"])
+    with pytest.raises(ConfigError, match=r"set train.grad_clip=0 \(got 1.0\)"):
+        step_options(cfg, has_lookups=True)
+    apply_overrides(cfg, ["train.grad_clip=0", "parallel.enabled=true"])
+    with pytest.raises(ConfigError, match="one device only"):
+        step_options(cfg, has_lookups=True)
+
+
 def test_cast_once_under_bf16_trains_as_autocast(dataset, tmp_path):
     """bf16-mixed on CPU: the parameters cast once per step give autocast's losses, to the last bit where the
     optimizers agree. With cast once the optimizer is MasterAdamW, which keeps the copies (written in its update,

@@ -102,6 +102,48 @@ def test_unsupported_options_say_so():
     with pytest.raises(ValueError, match="neither amsgrad nor maximize"):
         optimizer.step()
     sparse = torch.nn.Parameter(torch.randn(4, 2))
-    sparse.grad = torch.sparse_coo_tensor([[1]], torch.ones(1, 2), (4, 2))
-    with pytest.raises(ValueError, match="sparse gradients"):
+    sparse.grad = torch.sparse_coo_tensor([[1], [0]], torch.ones(1), (4, 2))  # one entry, not a whole row
+    with pytest.raises(ValueError, match=r"sparse gradients of whole rows only .* sparse_dim 2"):
         MasterAdamW([sparse]).step()
+
+
+TABLE = "items.collection.embeddings.t_item.weight"
+
+
+def _run_tables(sparse: bool, static: bool, steps: int = 3):
+    """A float32 teacher (``sparse_tables`` as given) stepped by MasterAdamW without weight decay;
+    per step the item-table rows it looked up, and the table after it."""
+    model, _ = build(sparse_tables=sparse)
+    optimizer = MasterAdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig()) if static else None
+    table = dict(model.named_parameters())[TABLE]
+    torch.manual_seed(9)
+    losses, touched, tables = [], [], []
+    for batch in padded_batches(steps):
+        losses.append(step(batch)["loss"] if static else train_step(model, batch, optimizer)["loss"].detach())
+        grad = table.grad
+        assert grad.is_sparse == sparse
+        touched.append(torch.unique(grad._indices()[0]) if sparse else None)
+        tables.append(table.detach().clone())
+    return torch.stack(losses), touched, tables, model
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["plain_step", "static_step"])
+def test_sparse_tables_step_only_the_rows_a_batch_looked_up(static):
+    """With ``sparse_tables`` the tables' gradients are sparse and MasterAdamW steps only the rows they name. The
+    first step equals dense AdamW's (an untouched row's first AdamW update is zero); from the second on, a row
+    looked up before but not in this step keeps its value where dense AdamW moves it on its momentum."""
+    losses, touched, tables, model = _run_tables(sparse=True, static=static)
+    dense_losses, _, dense_tables, _ = _run_tables(sparse=False, static=static)
+    torch.testing.assert_close(losses[:2], dense_losses[:2], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(tables[0], dense_tables[0], rtol=1e-6, atol=1e-7)
+    assert model.cfg.sparse_tables and not any(p.grad.is_sparse for n, p in model.named_parameters() if "collection" not in n)
+    first = torch.zeros(tables[0].shape[0], dtype=torch.bool)
+    first[touched[0]] = True
+    second = torch.zeros_like(first)
+    second[touched[1]] = True
+    idle = first & ~second  # looked up at step 1, not at step 2
+    assert idle.any() and second.any()
+    assert torch.equal(tables[1][idle], tables[0][idle])
+    assert not torch.allclose(dense_tables[1][idle], dense_tables[0][idle])
+    assert not torch.equal(tables[1][second], tables[0][second])

@@ -42,6 +42,14 @@ def log_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
     return (torch.log(x) / AGE_BUCKET_DIVISOR).floor().to(torch.int64).clamp(0, num_buckets - 1)
 
 
+def sparse_gradients(collection: nn.Module) -> None:
+    """Make an unsharded torchrec collection's tables give sparse gradients (``nn.Embedding(sparse=True)``: the
+    looked-up ids and their rows' gradients, no dense ``[rows, dim]`` tensor) for a lazy row optimizer."""
+    for module in collection.modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            module.sparse = True
+
+
 class ItemEmbedding(nn.Module):
     """Item id -> ``[item_dim]`` through a torchrec ``EmbeddingCollection`` keyed ``item_id``.
 
@@ -49,7 +57,7 @@ class ItemEmbedding(nn.Module):
     normal), otherwise at torch's default bounds of +-2, which a std of 0.02 never reaches.
     """
 
-    def __init__(self, num_items: int, item_dim: int, *, truncated: bool = False) -> None:
+    def __init__(self, num_items: int, item_dim: int, *, truncated: bool = False, sparse: bool = False) -> None:
         super().__init__()
         self.num_items = num_items
         bound = 2 * ITEM_INIT_STD if truncated else 2.0
@@ -61,6 +69,8 @@ class ItemEmbedding(nn.Module):
             init_fn=partial(nn.init.trunc_normal_, std=ITEM_INIT_STD, a=-bound, b=bound),
         )
         self.collection = EmbeddingCollection(tables=[table])
+        if sparse:
+            sparse_gradients(self.collection)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids[N]`` int64 -> ``[N, item_dim]``; all ids go in one bag (order preserved)."""
@@ -85,7 +95,7 @@ class SparseFeatureEmbedding(nn.Module):
     (on next_item data they would reveal the label).
     """
 
-    def __init__(self, schema: EventSchema, dim: int, *, with_item_features: bool = True) -> None:
+    def __init__(self, schema: EventSchema, dim: int, *, with_item_features: bool = True, sparse: bool = False) -> None:
         super().__init__()
         self.dim = dim
         self.user_names = [f.name for f in schema.user_features]
@@ -102,6 +112,8 @@ class SparseFeatureEmbedding(nn.Module):
             if f.name in self.user_names or f.name in self.item_names
         ]
         self.collection = EmbeddingBagCollection(tables=tables) if tables else None
+        if sparse and self.collection is not None:
+            sparse_gradients(self.collection)
 
     def forward(self, sparse: KeyedJaggedTensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.collection is None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import multi_adamw, multi_copy
+from kernels import multi_adamw, multi_copy, row_adamw
 
 
 class _CastDtypes(TorchDispatchMode):
@@ -215,7 +215,12 @@ class MasterAdamW(torch.optim.AdamW):
     so the next forward reads the copies without a refresh. The parameters must then change only through this
     optimizer; after any other change (a checkpoint load) call :meth:`CastOnce.refresh`. The state (``step``,
     ``exp_avg``, ``exp_avg_sq``, ``step`` on the host) is AdamW's, so checkpoints move between the two. No
-    ``amsgrad``, ``maximize``, ``capturable``, ``differentiable`` or sparse gradients.
+    ``amsgrad``, ``maximize``, ``capturable`` or ``differentiable``.
+
+    A sparse gradient of whole rows (an embedding table's with ``sparse=True``: the teacher's ``sparse_tables``)
+    steps lazily, by :func:`kernels.row_adamw`: only the rows it names, with their moments, as
+    ``torch.optim.SparseAdam`` does (and AdamW's decay on those rows); no dense gradient is formed and the
+    untouched rows are not read.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -252,8 +257,9 @@ class MasterAdamW(torch.optim.AdamW):
                 grad = p.grad if p.grad is not None else held.get(id(p))
                 if grad is None:
                     continue
-                if grad.is_sparse:
-                    raise ValueError("MasterAdamW does not take sparse gradients")
+                if grad.is_sparse and (grad.sparse_dim() != 1 or id(p) in copy_of):
+                    raise ValueError("MasterAdamW takes sparse gradients of whole rows only (an embedding table's, "
+                                     f"with no low-precision copy); got sparse_dim {grad.sparse_dim()}")
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
@@ -265,6 +271,11 @@ class MasterAdamW(torch.optim.AdamW):
                     self.host_steps[p] = int(state["step"].item())
                 self.host_steps[p] += 1
                 state["step"] += 1
+                if grad.is_sparse:
+                    row_adamw(p, state["exp_avg"], state["exp_avg_sq"], grad._indices()[0], grad._values(),
+                              lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
+                              weight_decay=group["weight_decay"], step=self.host_steps[p])
+                    continue
                 lists = by_step.setdefault(self.host_steps[p], ([], [], [], [], []))
                 for out, value in zip(lists, (p, grad, state["exp_avg"], state["exp_avg_sq"], copy_of.get(id(p))),
                                       strict=True):

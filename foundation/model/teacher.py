@@ -121,12 +121,16 @@ class GEMTeacher(nn.Module):
         self.next_item = schema.task == "next_item"
         self.register_buffer("negative_items", check_negative_items(cfg, schema, negative_items), persistent=False)
         d = cfg.d_model
-        self.items = ItemEmbedding(schema.num_items, cfg.item_dim, truncated=cfg.embedding_init == "reference")
+        self.items = ItemEmbedding(
+            schema.num_items, cfg.item_dim, truncated=cfg.embedding_init == "reference", sparse=cfg.sparse_tables
+        )
         self.history_embedding = HistoryEmbedding(cfg, schema)
         # Next-item models read user features only through the interleaving (never item features).
         self.uses_user_tokens = not self.next_item or cfg.interleave
         if self.uses_user_tokens:
-            self.sparse_embedding = SparseFeatureEmbedding(schema, d, with_item_features=not self.next_item)
+            self.sparse_embedding = SparseFeatureEmbedding(
+                schema, d, with_item_features=not self.next_item, sparse=cfg.sparse_tables
+            )
             self.user_bias = nn.Parameter(torch.zeros(1, d))
         self.cls_tokens = nn.Parameter(torch.randn(cfg.num_cls, d) * 0.02)
         self.with_candidate_token = cfg.target_aware and not self.next_item

@@ -77,6 +77,9 @@ class TeacherConfig:
         age_buckets: buckets of the ``age`` feature.
         item_dim: width of the item embedding table (shared by history, candidate and the
             generative objective); projected to ``d_model`` when they differ.
+        sparse_tables: the torchrec tables (items, feature bags) give sparse gradients of the rows a step
+            looked up, which :class:`~foundation.model.precision.MasterAdamW` steps lazily (those rows only, as
+            ``torch.optim.SparseAdam``); False: dense gradients and every row stepped by AdamW.
 
     InterFormer interleaving (arXiv 2411.09852):
         interleave: per layer, condition the sequence on the non-sequence summary (personalised
@@ -146,6 +149,7 @@ class TeacherConfig:
     history_features: tuple[str, ...] = HISTORY_FEATURES
     age_buckets: int = 48
     item_dim: int = 64
+    sparse_tables: bool = False
 
     interleave: bool = True
     num_cls: int = 2

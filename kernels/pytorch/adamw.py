@@ -35,3 +35,30 @@ def multi_adamw(
         p.addcdiv_(m, (v.sqrt() / bias_sqrt).add_(eps), value=-step_size)
         if copy is not None:
             copy.copy_(p)
+
+
+def row_adamw(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    rows: torch.Tensor,
+    grad_rows: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """One lazy AdamW step of a table ``param[R, D]`` (float32) on the rows ``rows[N]`` name: each distinct row
+    ``r`` gets the sum of the ``grad_rows[N, D]`` entries naming it (summed in their order) as its gradient and
+    :func:`multi_adamw`'s update, moments ``exp_avg``/``exp_avg_sq`` ``[R, D]`` included; every other row and its
+    moments stay as they are (``torch.optim.SparseAdam``'s rule). ``step`` counts this step (from 1)."""
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    grad = torch.zeros(unique.numel(), param.shape[1], dtype=torch.float32, device=param.device)
+    grad.index_add_(0, inverse, grad_rows.to(torch.float32))
+    touched = [param[unique], exp_avg[unique], exp_avg_sq[unique]]
+    multi_adamw([touched[0]], [grad], [touched[1]], [touched[2]], [None], lr=lr, betas=betas, eps=eps,
+                weight_decay=weight_decay, step=step)
+    for table, values in zip((param, exp_avg, exp_avg_sq), touched, strict=True):
+        table[unique] = values

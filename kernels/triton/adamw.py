@@ -122,3 +122,45 @@ def multi_adamw(params, grads, exp_avgs, exp_avg_sqs, copies, *, lr, betas, eps,
             1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, HAS_COPY=c0 is not None,
             STRIDED=strided, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
+
+
+@triton.jit
+def _row_adamw_kernel(P, M, V, SORTED, ORDER, G, N, D, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                      bias_sqrt, eps, BLOCK_D: tl.constexpr):
+    # One program per entry of the sorted rows and block of columns; only the first entry of each run of equal rows
+    # works: it sums the run's gradient rows (in their original order: the sort is stable) and updates its row.
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row = tl.load(SORTED + i)
+    first = tl.load(SORTED + i - 1, mask=i > 0, other=-1) != row  # ids are never negative
+    mask = cols < tl.where(first, D, 0)
+    g = tl.zeros([BLOCK_D], dtype=tl.float32)
+    j = i
+    more = first
+    while more:
+        src = tl.load(ORDER + j)
+        g += tl.load(G + src * D + cols, mask=mask, other=0.0).to(tl.float32)
+        j += 1
+        more = (j < N) & (tl.load(SORTED + tl.minimum(j, N - 1)) == row)
+    offs = row * D + cols
+    p, m, v = _update(tl.load(P + offs, mask=mask), g, tl.load(M + offs, mask=mask), tl.load(V + offs, mask=mask),
+                      decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_sqrt, eps)
+    tl.store(P + offs, p, mask=mask)
+    tl.store(M + offs, m, mask=mask)
+    tl.store(V + offs, v, mask=mask)
+
+
+def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, weight_decay, step) -> None:
+    """Same contract as :func:`kernels.pytorch.adamw.row_adamw`; no device sync (the launch covers every entry of
+    ``rows``, the duplicates' programs do nothing), so it can run inside a captured CUDA graph."""
+    n, d = grad_rows.shape
+    if n == 0:
+        return
+    beta1, beta2 = betas
+    ordered, order = torch.sort(rows, stable=True)
+    block = min(triton.next_power_of_2(d), 512)
+    _row_adamw_kernel[(n, triton.cdiv(d, block))](
+        param, exp_avg, exp_avg_sq, ordered, order, grad_rows, n, d, 1.0 - lr * weight_decay, 1.0 - beta1, beta2,
+        1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, BLOCK_D=block,
+        num_warps=max(1, min(4, block // 128)),
+    )
