@@ -125,23 +125,16 @@ def multi_adamw(params, grads, exp_avgs, exp_avg_sqs, copies, *, lr, betas, eps,
 
 
 @triton.jit
-def _row_adamw_kernel(P, M, V, SORTED, ORDER, G, N, D, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
+def _row_adamw_kernel(P, M, V, SORTED, SEGMENT, SUMS, D, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
                       bias_sqrt, eps, BLOCK_D: tl.constexpr):
-    # One program per entry of the sorted rows and block of columns; only the first entry of each run of equal rows
-    # works: it sums the run's gradient rows (in their original order: the sort is stable) and updates its row.
+    # One program per entry of the sorted rows and block of columns; the first entry of each run of equal rows
+    # updates its row with the run's summed gradient, the others do nothing.
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row = tl.load(SORTED + i)
     first = tl.load(SORTED + i - 1, mask=i > 0, other=-1) != row  # ids are never negative
     mask = cols < tl.where(first, D, 0)
-    g = tl.zeros([BLOCK_D], dtype=tl.float32)
-    j = i
-    more = first
-    while more:
-        src = tl.load(ORDER + j)
-        g += tl.load(G + src * D + cols, mask=mask, other=0.0).to(tl.float32)
-        j += 1
-        more = (j < N) & (tl.load(SORTED + tl.minimum(j, N - 1)) == row)
+    g = tl.load(SUMS + tl.load(SEGMENT + i) * D + cols, mask=mask, other=0.0)
     offs = row * D + cols
     p, m, v = _update(tl.load(P + offs, mask=mask), g, tl.load(M + offs, mask=mask), tl.load(V + offs, mask=mask),
                       decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_sqrt, eps)
@@ -151,16 +144,24 @@ def _row_adamw_kernel(P, M, V, SORTED, ORDER, G, N, D, decay, one_minus_beta1, b
 
 
 def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, weight_decay, step) -> None:
-    """Same contract as :func:`kernels.pytorch.adamw.row_adamw`; no device sync (the launch covers every entry of
-    ``rows``, the duplicates' programs do nothing), so it can run inside a captured CUDA graph."""
+    """Same contract as :func:`kernels.pytorch.adamw.row_adamw`; no device sync (every array has the entries'
+    count ``N``: the entries sorted by row, each one's run of equal rows numbered, the runs' gradients summed by
+    ``index_add_`` in parallel), so it can run inside a captured CUDA graph. A popular row's run is summed by
+    many threads, not walked by one."""
     n, d = grad_rows.shape
     if n == 0:
         return
     beta1, beta2 = betas
     ordered, order = torch.sort(rows, stable=True)
+    starts = torch.ones(n, dtype=torch.int64, device=rows.device)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    segment = starts.cumsum(0) - 1  # [N]: the run of each sorted entry
+    entry_segment = torch.empty_like(segment).scatter_(0, order, segment)  # [N]: the run of each entry
+    sums = torch.zeros(n, d, dtype=torch.float32, device=grad_rows.device)
+    sums.index_add_(0, entry_segment, grad_rows.to(torch.float32))
     block = min(triton.next_power_of_2(d), 512)
     _row_adamw_kernel[(n, triton.cdiv(d, block))](
-        param, exp_avg, exp_avg_sq, ordered, order, grad_rows, n, d, 1.0 - lr * weight_decay, 1.0 - beta1, beta2,
+        param, exp_avg, exp_avg_sq, ordered, segment, sums, d, 1.0 - lr * weight_decay, 1.0 - beta1, beta2,
         1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, BLOCK_D=block,
         num_warps=max(1, min(4, block // 128)),
     )
