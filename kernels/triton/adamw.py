@@ -29,6 +29,7 @@ from kernels.triton.multi_copy import bf16_nearest_even, block_programs, cached_
 
 BLOCK = 1024
 NUM_WARPS = 4
+SUM_CHUNK = 32  # sorted entries per program of the row AdamW's gradient sums
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
 # Per tensor: param, grad, exp_avg, exp_avg_sq, copy (0: none), numel, grad cols, grad stride 0, grad stride 1.
 
@@ -143,11 +144,31 @@ def _row_adamw_kernel(P, M, V, SORTED, SEGMENT, SUMS, D, decay, one_minus_beta1,
     tl.store(V + offs, v, mask=mask)
 
 
+@triton.jit
+def _row_sums_kernel(SEGMENT, ORDER, G, SUMS, N, D, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per CHUNK consecutive sorted entries and block of columns: it sums the gradients of each run of
+    # equal rows within its chunk and adds each run's partial sum to the run's row of SUMS once, so a row repeated
+    # thousands of times (the padding tokens' id) costs one atomic add per chunk, not one per entry.
+    base = tl.program_id(0) * CHUNK
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    prev = tl.load(SEGMENT + base)
+    for k in range(CHUNK):
+        idx = base + k
+        seg = tl.load(SEGMENT + idx, mask=idx < N, other=-1)
+        flush = seg != prev
+        tl.atomic_add(SUMS + prev * D + cols, acc, mask=cols < tl.where(flush, D, 0))
+        acc = tl.where(flush, 0.0, acc)
+        prev = seg
+        src = tl.load(ORDER + idx, mask=idx < N, other=0)
+        acc += tl.load(G + src * D + cols, mask=cols < tl.where(idx < N, D, 0), other=0.0).to(tl.float32)
+    tl.atomic_add(SUMS + prev * D + cols, acc, mask=cols < tl.where(prev >= 0, D, 0))
+
+
 def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, weight_decay, step) -> None:
     """Same contract as :func:`kernels.pytorch.adamw.row_adamw`; no device sync (every array has the entries'
-    count ``N``: the entries sorted by row, each one's run of equal rows numbered, the runs' gradients summed by
-    ``index_add_`` in parallel), so it can run inside a captured CUDA graph. A popular row's run is summed by
-    many threads, not walked by one."""
+    count ``N``: the entries sorted by row, each one's run of equal rows numbered, the runs' gradients summed
+    chunk by chunk), so it can run inside a captured CUDA graph."""
     n, d = grad_rows.shape
     if n == 0:
         return
@@ -156,12 +177,13 @@ def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, we
     starts = torch.ones(n, dtype=torch.int64, device=rows.device)
     starts[1:] = ordered[1:] != ordered[:-1]
     segment = starts.cumsum(0) - 1  # [N]: the run of each sorted entry
-    entry_segment = torch.empty_like(segment).scatter_(0, order, segment)  # [N]: the run of each entry
     sums = torch.zeros(n, d, dtype=torch.float32, device=grad_rows.device)
-    sums.index_add_(0, entry_segment, grad_rows.to(torch.float32))
     block = min(triton.next_power_of_2(d), 512)
+    warps = max(1, min(4, block // 128))
+    _row_sums_kernel[(triton.cdiv(n, SUM_CHUNK), triton.cdiv(d, block))](
+        segment, order, grad_rows, sums, n, d, CHUNK=SUM_CHUNK, BLOCK_D=block, num_warps=warps
+    )
     _row_adamw_kernel[(n, triton.cdiv(d, block))](
         param, exp_avg, exp_avg_sq, ordered, segment, sums, d, 1.0 - lr * weight_decay, 1.0 - beta1, beta2,
-        1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, BLOCK_D=block,
-        num_warps=max(1, min(4, block // 128)),
+        1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, BLOCK_D=block, num_warps=warps,
     )

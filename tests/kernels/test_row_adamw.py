@@ -75,3 +75,21 @@ def test_bad_arguments_are_refused_in_one_line(change, message):
             "rows": torch.tensor([0, 2]), "grad_rows": torch.zeros(2, 3), "step": 1, **change}
     with pytest.raises(ValueError, match=message):
         row_adamw(**args, weight_decay=0.0, backend="pytorch", **HYPER)
+
+
+def test_a_row_repeated_across_many_chunks_is_summed_once():
+    """A row named by most entries (as the padding tokens' id is), its run crossing several of the kernel's chunks
+    of sorted entries, and an entry count that is no multiple of a chunk: the same step as the reference."""
+    from kernels.triton.adamw import SUM_CHUNK
+
+    g = torch.Generator().manual_seed(2)
+    n = 3 * SUM_CHUNK + 5
+    ids = torch.randint(0, 40, (n,), generator=g)
+    ids[torch.rand(n, generator=g) < 0.7] = 3
+    grads = torch.randn(n, 16, generator=g)
+    kernel, ref = _table(40, 16, seed=3), _table(40, 16, seed=3)
+    row_adamw(*kernel, ids, grads, weight_decay=0.0, step=2, backend="triton", **HYPER)
+    row_adamw(*ref, ids, grads, weight_decay=0.0, step=2, backend="pytorch", **HYPER)
+    assert int((ids == 3).sum()) > 2 * SUM_CHUNK
+    for k, r in zip(kernel, ref, strict=True):
+        torch.testing.assert_close(k, r, rtol=1e-5, atol=1e-6)
