@@ -144,7 +144,8 @@ def _row_adamw_kernel(P, M, V, SORTED, SEGMENT, SUMS, D, decay, one_minus_beta1,
     tl.store(V + offs, v, mask=mask)
 
 
-@triton.jit
+# The entry count follows the batch (history tokens + rows + negatives): unspecialised, a new bucket compiles nothing.
+@triton.jit(do_not_specialize=["N"])
 def _row_sums_kernel(SEGMENT, ORDER, G, SUMS, N, D, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per CHUNK consecutive sorted entries and block of columns: it sums the gradients of each run of
     # equal rows within its chunk and adds each run's partial sum to the run's row of SUMS once, so a row repeated
