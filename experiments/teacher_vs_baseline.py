@@ -12,7 +12,7 @@ Usage::
 Any flavor of :mod:`experiments.flavors` (dotted overrides after the options) is trained for
 ``--epochs`` passes over the train split (cut short after ``--time-budget`` seconds of training)
 with the harness's optimiser (AdamW, ``train.lr``, ``train.weight_decay``, gradient clipping at
-``train.grad_clip``), under bf16 autocast when ``train.precision`` is ``bf16-mixed``;
+``train.grad_clip``; with ``model.teacher.sparse_tables`` the tables' rows step lazily in ``MasterAdamW``), under bf16 autocast when ``train.precision`` is ``bf16-mixed``;
 ``--max-steps`` caps the steps of an epoch (dry runs, fixed data budgets). After every epoch the
 valid and test splits are scored; the reported figures are the test metrics of the epoch with the best valid click NE (early
 stopping on the earlier time window, never on test). ``test_recalibrated`` repeats them after a
@@ -45,6 +45,7 @@ from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import PredictionLog
+from foundation.model.precision import MasterAdamW
 from gem.flavors import get_flavor
 from gem.loop import train_epoch
 from gem.registry import build_model
@@ -114,7 +115,10 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(cfg.train.seed)
     torch.set_float32_matmul_precision("high")
     model = build_model(cfg.model, schema).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    # Sparse table gradients (model.teacher.sparse_tables) step lazily in MasterAdamW, AdamW's update otherwise.
+    sparse = cfg.model.arch == "teacher" and cfg.model.teacher.sparse_tables
+    adamw = MasterAdamW if sparse else torch.optim.AdamW
+    optimizer = adamw(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     autocast = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
     eval_cfg = dataclasses.replace(cfg.data, batch_size=args.eval_batch_size, token_budget=0)
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)

@@ -20,7 +20,7 @@ from torch import nn
 from foundation.data.batch import JaggedBatch
 from foundation.model.flops import peak_flops, throughput_metrics
 from foundation.model.padding import PaddedBatch, StaticShapes, bucket_stand_in
-from foundation.model.precision import CastOnce
+from foundation.model.precision import CastOnce, clip_grad_norm
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None, *, cache: bool = True) -> contextlib.AbstractContextManager:
@@ -67,7 +67,7 @@ def train_step(
         cast_once.collect_grads()
     if grad_clip > 0:
         if clip is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            clip_grad_norm(model.parameters(), grad_clip)
         else:
             clip(grad_clip)
     optimizer.step()
@@ -257,7 +257,7 @@ class StaticStep:
                 p.grad = in_layout_of(p, g) if p.grad is None else p.grad + g
         if self.grad_clip > 0:
             if self.clip is None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                clip_grad_norm(self.model.parameters(), self.grad_clip)
             else:
                 self.clip(self.grad_clip)
         self.optimizer.step()

@@ -32,7 +32,7 @@ from foundation.data.schema import EventSchema
 from foundation.metrics import PredictionLog, RankingMetrics
 from foundation.model.outputs import ModelOutput
 from foundation.model.padding import PaddedBatch, StaticShapes
-from foundation.model.precision import CastOnce, MasterAdamW
+from foundation.model.precision import CastOnce, MasterAdamW, clip_grad_norm
 from gem.config import experiment_from_dict
 from gem.errors import ModelRoleError, ResumeError
 from gem.loop import StaticStep, Throughput, train_step
@@ -242,6 +242,9 @@ class RecModule(L.LightningModule):
         optimizer, plugin = self.optimizers(), self.trainer.precision_plugin
         if getattr(plugin, "scaler", None) is not None:
             self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        elif self.cfg.model.arch == "teacher" and self.cfg.model.teacher.sparse_tables:
+            # Lightning's clip takes no sparse gradients; the tables' (one device only) are summed per row first.
+            clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_norm)
         else:
             plugin.clip_grad_by_norm(optimizer, max_norm)
 

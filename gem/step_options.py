@@ -72,13 +72,8 @@ def step_options(cfg: ExperimentConfig, has_lookups: bool) -> tuple[StepOptions,
             raise ConfigError(f"train.bucket_rows={tuple(train.bucket_rows)}: {err}") from None
     if train.graph_warmup < 0:
         raise ConfigError(f"train.graph_warmup={train.graph_warmup} must be 0 or more")
-    if cfg.model.arch == "teacher" and cfg.model.teacher.sparse_tables:
-        # The tables' sparse gradients name repeated rows: a norm over them would need them summed per row first.
-        if train.grad_clip > 0:
-            raise ConfigError(f"model.teacher.sparse_tables: sparse table gradients are not clipped; set "
-                              f"train.grad_clip=0 (got {train.grad_clip})")
-        if cfg.parallel.enabled:
-            raise ConfigError("model.teacher.sparse_tables: one device only (parallel.enabled shards the tables)")
+    if cfg.model.arch == "teacher" and cfg.model.teacher.sparse_tables and cfg.parallel.enabled:
+        raise ConfigError("model.teacher.sparse_tables: one device only (parallel.enabled shards the tables)")
     cast_once = train.cast_once and autocast_dtype == torch.bfloat16
     precompile = train.precompile_kernels
     if cfg.parallel.enabled:

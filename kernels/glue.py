@@ -1,5 +1,7 @@
 """Dispatchers for the glue around the attention kernels: a fused LayerNorm (alone or after a residual add), a
 per-row SiLU modulation and a split SiLU; and the split of a fused key-value projection (:func:`unbind_pair`).
+The optimizer's kernels are here too: the multi-tensor AdamW (:func:`multi_adamw`) and the embedding tables' lazy
+row AdamW (:func:`row_adamw`).
 
 Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
 PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU

@@ -147,3 +147,34 @@ def test_sparse_tables_step_only_the_rows_a_batch_looked_up(static):
     assert torch.equal(tables[1][idle], tables[0][idle])
     assert not torch.allclose(dense_tables[1][idle], dense_tables[0][idle])
     assert not torch.equal(tables[1][second], tables[0][second])
+
+
+def _clip_case(sparse: bool, scale: float):
+    """An embedding (ids repeated) and a linear layer after a backward, the loss scaled by ``scale``."""
+    torch.manual_seed(4)
+    table, linear = torch.nn.Embedding(12, 6, sparse=sparse), torch.nn.Linear(6, 1)
+    ids = torch.tensor([3, 7, 3, 3, 0, 7])
+    (scale * linear(table(ids)).square().sum()).backward()
+    return [table.weight, *linear.parameters()]
+
+
+@pytest.mark.parametrize("scale", [100.0, 1e-3], ids=["clipped", "under_the_norm"])
+def test_clip_with_sparse_table_gradients_is_the_dense_clip(scale):
+    """clip_grad_norm over a sparse table gradient (repeated rows) returns torch's norm of the dense gradients and
+    leaves the same gradients (as dense tensors) as torch's clip of those; without sparse gradients it is torch's
+    clip to the bit."""
+    from foundation.model.precision import clip_grad_norm
+
+    dense = _clip_case(sparse=False, scale=scale)
+    sparse = _clip_case(sparse=True, scale=scale)
+    assert sparse[0].grad.is_sparse and sparse[0].grad._values().shape[0] == 6
+    expected = torch.nn.utils.clip_grad_norm_(dense, 1.0)
+    total = clip_grad_norm(sparse, 1.0)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    for ours, theirs in zip(sparse, dense, strict=True):
+        got = ours.grad.to_dense() if ours.grad.is_sparse else ours.grad
+        torch.testing.assert_close(got, theirs.grad, rtol=1e-6, atol=1e-7)
+    assert (float(expected) > 1.0) == (scale > 1)  # the first case clips, the second does not
+    plain, ours = _clip_case(sparse=False, scale=scale), _clip_case(sparse=False, scale=scale)
+    assert torch.equal(clip_grad_norm(ours, 1.0), torch.nn.utils.clip_grad_norm_(plain, 1.0))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, plain, strict=True))
