@@ -40,13 +40,14 @@ import torch
 import torch.distributed as dist
 
 from experiments.bench_teacher import PRECISIONS, prepare_world, summarize
+from foundation.data.batch import take_rows
 from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import EventSchema
 from foundation.model.flops import peak_flops
 from foundation.model.teacher import build_teacher
 from foundation.parallel import ParallelConfig, ParallelDims, build_dense_optimizer, parallelize_teacher
-from foundation.parallel.balance import BalanceConfig, rank_share, take_rows
+from foundation.parallel.balance import BalanceConfig, rank_share
 from foundation.parallel.embeddings import EmbeddingShardingConfig
 from gem.flavors import TEACHER_FLAVORS, teacher_flavor
 

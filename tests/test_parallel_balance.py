@@ -57,8 +57,8 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_take_rows_keeps_each_rows_history_features_and_labels(tmp_path):
+    from foundation.data.batch import take_rows
     from foundation.data.pipeline import DataConfig, EventStream
-    from foundation.parallel.balance import take_rows
     from tests.events import write_dataset
 
     data = write_dataset(tmp_path, rows={"train": 20}, shards=1)

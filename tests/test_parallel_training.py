@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from foundation.data.batch import take_rows
 from foundation.model.baseline import DLRMBaseline, DLRMConfig
 from foundation.model.teacher import build_teacher
 from foundation.parallel import (
@@ -34,7 +35,6 @@ from foundation.parallel import (
     parallelize_teacher,
 )
 from foundation.parallel import checkpoint as checkpoint_module
-from foundation.parallel.balance import take_rows
 from foundation.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from foundation.parallel.context import unwrapped
 from foundation.parallel.embeddings import SHARDING_TYPES, apply_sparse_optimizer, summarize_plan

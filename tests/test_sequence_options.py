@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
+from foundation.data.batch import take_rows
 from foundation.model.hstu import HSTUBlock
 from foundation.model.jagged import SuffixLayout
 from foundation.model.sasrec import SASRecBlock
 from foundation.model.teacher import build_teacher
 from foundation.model.teacher_config import TeacherConfig
-from foundation.parallel.balance import take_rows
 from gem.flavors import teacher_flavor
 from kernels import jagged_attention
 from tests.teacher_batches import CTR_SCHEMA, NEXT_ITEM_SCHEMA, make_batch, tiny_config

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from foundation.config import apply_overrides
+from foundation.data.batch import take_rows
 from foundation.data.schema import TASKS
 from foundation.model.embeddings import HistoryEmbedding
 from foundation.model.experts import MultiDomainExperts
@@ -17,7 +18,6 @@ from foundation.model.interaction import DCNv2Block, WukongBlock
 from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
 from foundation.model.teacher import build_teacher, pairwise_dots
 from foundation.model.teacher_config import TeacherConfig
-from foundation.parallel.balance import take_rows
 from gem.flavors import TEACHER_FLAVORS, teacher_flavor
 from tests.teacher_batches import (
     CTR_SCHEMA,

@@ -7,14 +7,12 @@ import dataclasses
 
 import pytest
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from foundation.data.batch import JaggedBatch
 from foundation.model.padding import (
     PaddedBatch,
     StaticShapes,
     bucket_stand_in,
-    first_rows,
     pad_batch,
     static_shapes,
 )
@@ -123,37 +121,6 @@ def test_padding_rows_would_change_the_loss_without_their_masks():
     counted = JaggedBatch(**{**fields, "label_mask": {k: torch.ones_like(v) for k, v in padded.label_mask.items()}})
     loss, _ = loss_and_grads(model, batch)
     assert not torch.allclose(loss_and_grads(model, counted)[0], loss, rtol=1e-3)
-
-
-def with_varied_bags(batch: JaggedBatch) -> JaggedBatch:
-    """``batch`` with bags of 0-2 values per row and key (distinct values, so a wrong slice shows)."""
-    keys = batch.sparse.keys()
-    lengths = torch.tensor([(row + 2 * key) % 3 for key in range(len(keys)) for row in range(batch.batch_size)])
-    values = torch.arange(int(lengths.sum()))
-    sparse = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=batch.batch_size)
-    return dataclasses.replace(batch, sparse=sparse)
-
-
-def test_first_rows_keep_their_tokens_bags_and_labels():
-    batch = with_varied_bags(make_batch(CTR_SCHEMA, LENGTHS, seed=3))
-    head = first_rows(batch, 4)  # 0 + 1 + 5 + 9 = 15 tokens
-    assert type(head) is JaggedBatch and head.batch_size == 4 and head.num_tokens == 15 and head.max_len == 9
-    assert head.offsets.tolist() == [0, 0, 1, 6, 15]
-    for name, values in batch.history.items():
-        assert torch.equal(head.history[name], values[:15])
-    assert torch.equal(head.candidate, batch.candidate[:4]) and torch.equal(head.labels["click"], batch.labels["click"][:4])
-    keys = batch.sparse.keys()
-    for key in keys:
-        whole, part = batch.sparse[key], head.sparse[key]
-        assert part.lengths().tolist() == whole.lengths()[:4].tolist()
-        assert torch.equal(part.values(), whole.values()[: int(whole.lengths()[:4].sum())])
-    # A padded batch's real rows are the batch it was made from.
-    padded = pad_batch(batch, StaticShapes(tokens=40, rows=(8,), max_len=12))
-    real = first_rows(padded, padded.real_rows)
-    assert real.offsets.tolist() == batch.offsets.tolist() and real.max_len == batch.max_len
-    assert all(torch.equal(real.sparse[k].values(), batch.sparse[k].values()) for k in keys)
-    with pytest.raises(ValueError, match="7 rows of a batch of 6"):
-        first_rows(batch, 7)
 
 
 def test_padding_to_a_chosen_bucket():

@@ -24,7 +24,6 @@ numbers per token, so a padded batch draws other numbers than the unpadded one (
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from foundation.data.batch import JaggedBatch
+from foundation.data.batch import JaggedBatch, take_rows
 
 
 @dataclass(frozen=True)
@@ -156,36 +155,14 @@ def bucket_stand_in(batch: JaggedBatch, shapes: StaticShapes, rows: int) -> Padd
     needs, or None when not even its first row fits (a bucket too small for the budget's tokens).
 
     A stand-in has a bucket's shapes and real values, for whatever must see every bucket before training does
-    (:meth:`gem.loop.StaticStep.prepare` warms up and captures each bucket's step on one)."""
-    real = first_rows(batch, batch.real_rows) if isinstance(batch, PaddedBatch) else batch
-    ends = real.offsets.tolist()
-    kept = next((k for k in range(real.batch_size, 0, -1) if shapes.holds(k, ends[k] - ends[0], rows)), None)
-    return None if kept is None else pad_batch(first_rows(real, kept), shapes, rows=rows)
-
-
-def first_rows(batch: JaggedBatch, rows: int) -> JaggedBatch:
-    """The first ``rows`` rows of ``batch`` (their history tokens, feature bags, labels) as an unpadded
-    :class:`JaggedBatch`; ``max_len`` is their longest history. Host tensors: reads offsets."""
-    if not 0 <= rows <= batch.batch_size:
-        raise ValueError(f"first_rows: {rows} rows of a batch of {batch.batch_size}")
-    start, end = (int(x) for x in batch.offsets[[0, rows]])
-    per_row = {
-        name: getattr(batch, name)[:rows] for name in ("dense", "candidate", "domain", "timestamp", "user_id", "example_id")
-    }
-    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(JaggedBatch)}
-    return JaggedBatch(
-        **{
-            **fields,
-            **per_row,
-            "history": {k: v[start:end] for k, v in batch.history.items()},
-            "offsets": batch.offsets[: rows + 1],
-            "max_len": int(batch.lengths[:rows].max()) if rows else 0,
-            "sparse": _first_bags(batch.sparse, rows),
-            "labels": {k: v[:rows] for k, v in batch.labels.items()},
-            "label_mask": {k: v[:rows] for k, v in batch.label_mask.items()},
-            "oracle": {k: v[:rows] for k, v in batch.oracle.items()},
-        }
-    )
+    (:meth:`gem.loop.StaticStep.prepare` warms up and captures each bucket's step on one). Reads offsets."""
+    real = batch.real_rows if isinstance(batch, PaddedBatch) else batch.batch_size
+    ends = batch.offsets.tolist()
+    kept = next((k for k in range(real, 0, -1) if shapes.holds(k, ends[k] - ends[0], rows)), None)
+    if kept is None:
+        return None
+    unpadded = JaggedBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(JaggedBatch)})
+    return pad_batch(take_rows(unpadded, torch.arange(kept, device=batch.offsets.device)), shapes, rows=rows)
 
 
 class PaddedBatches(IterableDataset):
@@ -220,26 +197,6 @@ def _pad_bags(sparse: KeyedJaggedTensor, n: int) -> KeyedJaggedTensor:
         lengths=lengths,
         stride=sparse.stride() + n,
         length_per_key=sparse.length_per_key(),
-    )
-
-
-def _first_bags(sparse: KeyedJaggedTensor, rows: int) -> KeyedJaggedTensor:
-    """The KJT's first ``rows`` bags of every key."""
-    keys = sparse.keys()
-    if not keys:
-        return KeyedJaggedTensor(keys=[], values=sparse.values(), lengths=sparse.lengths(), stride=rows)
-    lengths = sparse.lengths().view(len(keys), -1)[:, :rows]
-    kept = lengths.sum(1).tolist()
-    starts = [0, *itertools.accumulate(sparse.length_per_key())][:-1]
-    index = torch.cat([torch.arange(s, s + n, device=lengths.device) for s, n in zip(starts, kept, strict=True)])
-    weights = sparse.weights_or_none()
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=sparse.values()[index],
-        weights=None if weights is None else weights[index],
-        lengths=lengths.flatten(),
-        stride=rows,
-        length_per_key=kept,
     )
 
 

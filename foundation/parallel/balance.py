@@ -13,13 +13,9 @@ with each rank's loss summed over its rows and divided by the global row count.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-from foundation.data.batch import JaggedBatch
 
 
 @dataclass
@@ -80,52 +76,6 @@ def imbalance_ratio(
     per_rank = torch.stack([work[g].sum() for g in groups])
     mean = per_rank.mean()
     return float(per_rank.max() / mean) if mean > 0 else 1.0
-
-
-def take_rows(batch: JaggedBatch, rows: torch.Tensor) -> JaggedBatch:
-    """The batch restricted to ``rows[R]`` (int64 row indices, in that order): histories, features, labels.
-
-    The KJT keeps every key, each with ``R`` bags; ``position`` is kept, since the global batch it
-    came from is what the data position counts.
-    """
-    lengths = batch.lengths[rows]
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    tokens = jagged_index(batch.offsets, rows, lengths)
-    keys, per_key = batch.sparse.keys(), batch.sparse.to_dict()
-    bags = [per_key[k] for k in keys]
-    bag_lengths = [jt.lengths()[rows] for jt in bags]
-    bag_values = [jt.values()[jagged_index(jt.offsets(), rows, n)] for jt, n in zip(bags, bag_lengths, strict=True)]
-    sparse = KeyedJaggedTensor(
-        keys=keys,
-        values=torch.cat(bag_values) if bags else batch.sparse.values()[:0],
-        lengths=torch.cat(bag_lengths).to(torch.int32) if bags else batch.sparse.lengths()[:0],
-        stride=len(rows),
-    )
-    return dataclasses.replace(
-        batch,
-        history={k: v[tokens] for k, v in batch.history.items()},
-        offsets=offsets,
-        max_len=int(lengths.max()) if len(rows) else 0,
-        sparse=sparse,
-        dense=batch.dense[rows],
-        candidate=batch.candidate[rows],
-        domain=batch.domain[rows],
-        timestamp=batch.timestamp[rows],
-        user_id=batch.user_id[rows],
-        example_id=batch.example_id[rows],
-        labels={k: v[rows] for k, v in batch.labels.items()},
-        label_mask={k: v[rows] for k, v in batch.label_mask.items()},
-        oracle={k: v[rows] for k, v in batch.oracle.items()},
-    )
-
-
-def jagged_index(offsets: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Flat value indices ``[sum(lengths)]`` of ``rows`` in a jagged tensor with ``offsets[B+1]``."""
-    starts = offsets[rows].to(torch.int64)
-    lengths = lengths.to(torch.int64)
-    row_of_value = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    first_of_row = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
-    return starts[row_of_value] + torch.arange(int(lengths.sum())) - first_of_row[row_of_value]
 
 
 @dataclass

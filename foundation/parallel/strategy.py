@@ -44,9 +44,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.tensor import DTensor
 
 from foundation.config import ConfigError
-from foundation.data.batch import JaggedBatch
+from foundation.data.batch import JaggedBatch, take_rows
 from foundation.data.io import atomic_path
-from foundation.parallel.balance import BalanceConfig, rank_share, row_work, take_rows
+from foundation.parallel.balance import BalanceConfig, rank_share, row_work
 from foundation.parallel.checkpoint import (
     is_complete,
     latest_checkpoint,
