@@ -242,7 +242,7 @@ class RecModule(L.LightningModule):
         optimizer, plugin = self.optimizers(), self.trainer.precision_plugin
         if getattr(plugin, "scaler", None) is not None:
             self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-        elif self.cfg.model.arch == "teacher" and self.cfg.model.teacher.sparse_tables:
+        elif self.step_options.sparse_tables:
             # Lightning's clip takes no sparse gradients; the tables' (one device only) are summed per row first.
             clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_norm)
         else:
@@ -295,8 +295,7 @@ class RecModule(L.LightningModule):
         # Under parallel.enabled the distributed checkpoint pre-allocates AdamW's state as the unfused
         # optimizer keeps it (the step count on the host), so the default implementation stays.
         fused = not self.cfg.parallel.enabled and fuses_adamw(list(self.parameters()))
-        sparse = self.cfg.model.arch == "teacher" and self.cfg.model.teacher.sparse_tables
-        if (fused and self.step_options.cast_once) or sparse:  # torch's AdamW takes no sparse gradients
+        if (fused and self.step_options.cast_once) or self.step_options.sparse_tables:  # torch's AdamW takes no sparse gradients
             return MasterAdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
         return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay, fused=fused)
 

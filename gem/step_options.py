@@ -37,6 +37,8 @@ class StepOptions:
         graphs: how :class:`~gem.loop.StaticStep` runs the dense part (with ``shapes`` only).
         precompile_kernels: compile the first step's Triton kernels in parallel before it runs
             (:class:`gem.train.PrecompileKernels`; a logged no-op off CUDA).
+        sparse_tables: the teacher's tables give sparse row gradients (``model.teacher.sparse_tables``), which
+            MasterAdamW steps and :func:`~foundation.model.precision.clip_grad_norm` clips.
     """
 
     autocast_dtype: torch.dtype | None
@@ -44,6 +46,7 @@ class StepOptions:
     shapes: StaticShapes | None
     graphs: GraphConfig
     precompile_kernels: bool = False
+    sparse_tables: bool = False
 
 
 def step_options(cfg: ExperimentConfig, has_lookups: bool) -> tuple[StepOptions, list[str]]:
@@ -72,7 +75,8 @@ def step_options(cfg: ExperimentConfig, has_lookups: bool) -> tuple[StepOptions,
             raise ConfigError(f"train.bucket_rows={tuple(train.bucket_rows)}: {err}") from None
     if train.graph_warmup < 0:
         raise ConfigError(f"train.graph_warmup={train.graph_warmup} must be 0 or more")
-    if cfg.model.arch == "teacher" and cfg.model.teacher.sparse_tables and cfg.parallel.enabled:
+    sparse_tables = cfg.model.arch == "teacher" and cfg.model.teacher.sparse_tables
+    if sparse_tables and cfg.parallel.enabled:
         raise ConfigError("model.teacher.sparse_tables: one device only (parallel.enabled shards the tables)")
     cast_once = train.cast_once and autocast_dtype == torch.bfloat16
     precompile = train.precompile_kernels
@@ -85,4 +89,4 @@ def step_options(cfg: ExperimentConfig, has_lookups: bool) -> tuple[StepOptions,
         notes.append(f"train.bucket_rows off: train.precision={precision} scales the loss, which the static step does not; the plain step runs")
         shapes = None
     graphs = GraphConfig(cuda_graphs=bool(train.cuda_graphs and shapes is not None), warmup_steps=train.graph_warmup)
-    return StepOptions(autocast_dtype, cast_once, shapes, graphs, precompile), notes
+    return StepOptions(autocast_dtype, cast_once, shapes, graphs, precompile, sparse_tables), notes
