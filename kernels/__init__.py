@@ -35,6 +35,7 @@ from kernels.glue import (
     residual_layer_norm,
     row_adamw,
     silu_split,
+    sum_rows,
     unbind_pair,
 )
 from kernels.pytorch.jagged_attention import ACTIVATIONS
@@ -55,6 +56,7 @@ __all__ = [
     "route_jagged_attention",
     "row_adamw",
     "silu_split",
+    "sum_rows",
     "unbind_pair",
 ]
 

@@ -462,3 +462,29 @@ def row_adamw(
         from kernels.pytorch.adamw import row_adamw as impl
     impl(param, exp_avg, exp_avg_sq, rows.to(torch.int64), grad_rows.contiguous(), lr=lr, betas=betas, eps=eps,
          weight_decay=weight_decay, step=step)
+
+
+def sum_rows(rows: torch.Tensor, values: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The entries of a sparse row gradient summed per distinct row, as its dense gradient would hold them (e.g. for
+    a gradient norm), without a device sync.
+
+    Args:
+        rows: ``[N]`` int64 or int32 row ids, repeats allowed.
+        values: ``[N, D]`` the entries (float32 or bf16).
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        ``[N, D]`` float32: row ``j`` holds the sum of the entries naming the ``j``-th smallest distinct row; the
+        rows after the last distinct one are zeros.
+    """
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sum_rows: rows must be 1-D integer ids, got {rows.dtype} {tuple(rows.shape)}")
+    if values.dim() != 2 or values.shape[0] != rows.numel():
+        raise ValueError(f"sum_rows: values {tuple(values.shape)}, expected [{rows.numel()}, D]")
+    if rows.device != values.device:
+        raise ValueError(f"sum_rows: rows on {rows.device}, values on {values.device}")
+    if _resolve(backend, values) == "triton":
+        from kernels.triton.adamw import sum_rows as impl
+    else:
+        from kernels.pytorch.adamw import sum_rows as impl
+    return impl(rows.to(torch.int64), values.contiguous())

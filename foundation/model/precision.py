@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import multi_adamw, multi_copy, row_adamw
+from kernels import multi_adamw, multi_copy, row_adamw, sum_rows
 
 
 class _CastDtypes(TorchDispatchMode):
@@ -290,14 +290,14 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     """``torch.nn.utils.clip_grad_norm_`` (2-norm) that also takes the sparse row gradients of embedding tables
     (``sparse_tables``), whose entries may name a row several times: a table's share of the norm is that of its rows'
     summed gradients (as the dense gradient would hold them), and its entries are scaled like every other gradient.
-    No device sync (the rows are summed by sort, scan and ``index_add_``); returns the total norm (a device scalar).
+    No device sync (the rows are summed by :func:`kernels.sum_rows`); returns the total norm (a device scalar).
     Without sparse gradients it is torch's own clip, to the bit."""
     params = [p for p in parameters if p.grad is not None]
     sparse = [p.grad for p in params if p.grad.is_sparse]
     if not sparse:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     dense = [p.grad for p in params if not p.grad.is_sparse]
-    squares = [_summed_rows(grad).square().sum() for grad in sparse]
+    squares = [sum_rows(grad._indices()[0], grad._values()).square().sum() for grad in sparse]
     if dense:
         squares.append(torch.nn.utils.get_total_norm(dense).to(torch.float32).square())
     total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
@@ -307,14 +307,3 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     for grad in sparse:
         grad._values().mul_(coef.to(grad.device))
     return total
-
-
-def _summed_rows(grad: torch.Tensor) -> torch.Tensor:
-    """``[N, D]`` float32: the entries of a sparse row gradient (``_indices()[0]`` rows ``[N]``, ``_values()``
-    ``[N, D]``) summed per distinct row, one row of sums per run of the sorted rows, zeros after the last run."""
-    rows, values = grad._indices()[0], grad._values()
-    ordered, order = torch.sort(rows)
-    starts = torch.ones_like(ordered)
-    starts[1:] = ordered[1:] != ordered[:-1]
-    run = torch.empty_like(ordered).scatter_(0, order, starts.cumsum(0) - 1)  # [N]: each entry's run
-    return torch.zeros(values.shape, dtype=torch.float32, device=values.device).index_add_(0, run, values.float())

@@ -1,4 +1,5 @@
-"""Reference for :mod:`kernels.triton.adamw`: torch's AdamW update, one tensor at a time."""
+"""Reference for :mod:`kernels.triton.adamw`: torch's AdamW update, one tensor at a time, and the row sums of
+sparse table gradients."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def multi_adamw(
         p.addcdiv_(m, (v.sqrt() / bias_sqrt).add_(eps), value=-step_size)
         if copy is not None:
             copy.copy_(p)
+
+
+def sum_rows(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[N, D]`` float32: the entries ``values[N, D]`` summed per distinct row of ``rows[N]``, row ``j`` of the
+    result holding the ``j``-th smallest row's sum (entries added in their order), zeros after the last distinct
+    row. No device sync: the runs of the sorted rows are numbered by a scan."""
+    ordered, order = torch.sort(rows, stable=True)
+    starts = torch.ones_like(ordered)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    run = torch.empty_like(ordered).scatter_(0, order, starts.cumsum(0) - 1)  # [N]: each entry's run
+    return torch.zeros(values.shape, dtype=torch.float32, device=values.device).index_add_(0, run, values.float())
 
 
 def row_adamw(

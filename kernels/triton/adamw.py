@@ -13,6 +13,10 @@ the element count and the gradient's layout. Gradients laid out otherwise than t
 their own, so the common launch has no index arithmetic for them. They are cached per set of addresses; the step's
 scalars (learning rate, bias corrections) are arguments, so a new step reuses them. Works on triton 3.6 and 3.9,
 and on CPU tensors under ``TRITON_INTERPRET=1``.
+
+The embedding tables' sparse gradients (entries naming rows, repeats allowed) take a second path: their entries
+sorted by row and summed per run of equal rows (:func:`sum_rows`, also the gradient clip's per-row sums), then the
+same per-element update on each named row only (:func:`row_adamw`).
 """
 
 from __future__ import annotations
@@ -166,6 +170,40 @@ def _row_sums_kernel(SEGMENT, ORDER, G, SUMS, N, D, CHUNK: tl.constexpr, BLOCK_D
     tl.atomic_add(SUMS + prev * D + cols, acc, mask=cols < tl.where(prev >= 0, D, 0))
 
 
+def _sorted_runs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows[N]`` sorted (stable), the sort's order, and each sorted entry's run of equal rows (``[N]`` each)."""
+    ordered, order = torch.sort(rows, stable=True)
+    starts = torch.ones(rows.numel(), dtype=torch.int64, device=rows.device)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    return ordered, order, starts.cumsum(0) - 1
+
+
+def _row_block(d: int) -> tuple[int, int]:
+    """The row kernels' column block and warps for rows of ``d`` values."""
+    block = min(triton.next_power_of_2(d), 512)
+    return block, max(1, min(4, block // 128))
+
+
+def _summed_runs(segment: torch.Tensor, order: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[N, D]`` float32: per run of :func:`_sorted_runs` the sum of its entries' ``values[N, D]``, zeros after
+    the last run."""
+    n, d = values.shape
+    sums = torch.zeros(n, d, dtype=torch.float32, device=values.device)
+    block, warps = _row_block(d)
+    _row_sums_kernel[(triton.cdiv(n, SUM_CHUNK), triton.cdiv(d, block))](
+        segment, order, values, sums, n, d, CHUNK=SUM_CHUNK, BLOCK_D=block, num_warps=warps
+    )
+    return sums
+
+
+def sum_rows(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`kernels.pytorch.adamw.sum_rows` (entries added per chunk, not in their order)."""
+    if rows.numel() == 0:
+        return torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+    _, order, segment = _sorted_runs(rows)
+    return _summed_runs(segment, order, values)
+
+
 def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, weight_decay, step) -> None:
     """Same contract as :func:`kernels.pytorch.adamw.row_adamw`; no device sync (every array has the entries'
     count ``N``: the entries sorted by row, each one's run of equal rows numbered, the runs' gradients summed
@@ -174,16 +212,9 @@ def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, we
     if n == 0:
         return
     beta1, beta2 = betas
-    ordered, order = torch.sort(rows, stable=True)
-    starts = torch.ones(n, dtype=torch.int64, device=rows.device)
-    starts[1:] = ordered[1:] != ordered[:-1]
-    segment = starts.cumsum(0) - 1  # [N]: the run of each sorted entry
-    sums = torch.zeros(n, d, dtype=torch.float32, device=grad_rows.device)
-    block = min(triton.next_power_of_2(d), 512)
-    warps = max(1, min(4, block // 128))
-    _row_sums_kernel[(triton.cdiv(n, SUM_CHUNK), triton.cdiv(d, block))](
-        segment, order, grad_rows, sums, n, d, CHUNK=SUM_CHUNK, BLOCK_D=block, num_warps=warps
-    )
+    ordered, order, segment = _sorted_runs(rows)
+    sums = _summed_runs(segment, order, grad_rows)
+    block, warps = _row_block(d)
     _row_adamw_kernel[(n, triton.cdiv(d, block))](
         param, exp_avg, exp_avg_sq, ordered, segment, sums, d, 1.0 - lr * weight_decay, 1.0 - beta1, beta2,
         1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, BLOCK_D=block, num_warps=warps,

@@ -1,13 +1,14 @@
-"""The lazy row AdamW of embedding tables (:func:`kernels.row_adamw`): the Triton kernel against its reference and
-both against ``torch.optim.SparseAdam`` over several steps, repeated rows, rows wider than a block, bf16 gradient
-rows, in Triton's interpreter; untouched rows never move."""
+"""The lazy row AdamW of embedding tables (:func:`kernels.row_adamw`) and the row sums of their sparse gradients
+(:func:`kernels.sum_rows`): the Triton kernels against their references and the row AdamW against
+``torch.optim.SparseAdam`` over several steps, repeated rows, rows wider than a block, bf16 gradient rows, in
+Triton's interpreter; untouched rows never move."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import row_adamw
+from kernels import row_adamw, sum_rows
 
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.98), "eps": 1e-8}
 
@@ -93,3 +94,32 @@ def test_a_row_repeated_across_many_chunks_is_summed_once():
     assert int((ids == 3).sum()) > 2 * SUM_CHUNK
     for k, r in zip(kernel, ref, strict=True):
         torch.testing.assert_close(k, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "pytorch"])
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16])
+def test_row_sums_are_the_dense_gradient_rows_in_row_order(backend, values_dtype):
+    """:func:`kernels.sum_rows` of an embedding's sparse gradient: its distinct rows' sums in ascending row order
+    (as the dense gradient's non-zero rows), then zeros; a row named across several chunks, a count that is no
+    multiple of one, int32 ids."""
+    from kernels.triton.adamw import SUM_CHUNK
+
+    g = torch.Generator().manual_seed(4)
+    n = 2 * SUM_CHUNK + 7
+    ids = torch.randint(0, 30, (n,), generator=g)
+    ids[torch.rand(n, generator=g) < 0.6] = 11
+    values = torch.randn(n, 20, generator=g).to(values_dtype)
+    dense = torch.zeros(30, 20).index_add_(0, ids, values.float())
+    named = torch.unique(ids)
+    sums = sum_rows(ids.to(torch.int32), values, backend=backend)
+    assert sums.shape == (n, 20) and sums.dtype == torch.float32
+    torch.testing.assert_close(sums[: named.numel()], dense[named], rtol=1e-5, atol=1e-5)
+    assert torch.equal(sums[named.numel():], torch.zeros(n - named.numel(), 20))
+
+
+def test_row_sums_of_no_entries_and_bad_shapes():
+    assert sum_rows(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4), backend="triton").shape == (0, 4)
+    with pytest.raises(ValueError, match=r"sum_rows: values \(3, 4\), expected \[2, D\]"):
+        sum_rows(torch.tensor([0, 1]), torch.zeros(3, 4), backend="pytorch")
+    with pytest.raises(ValueError, match="sum_rows: rows must be 1-D integer ids"):
+        sum_rows(torch.tensor([0.0, 1.0]), torch.zeros(2, 4), backend="pytorch")
