@@ -28,6 +28,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     for kernel in args.kernels:
         for bias in args.bias:
             for act in args.acts:
-                for config in configs_for(KERNELS[kernel][1], {"HAS_PB": bias != "none"}):
+                for config in configs_for(KERNELS[kernel][1], {"HAS_PB": bias != "none"}, torch.bfloat16):
                     if args.maxnreg:
                         config = triton.Config(config.kwargs, num_warps=config.num_warps,
                                                num_stages=config.num_stages, maxnreg=args.maxnreg)

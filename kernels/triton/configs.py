@@ -15,7 +15,9 @@ biased variants have tiles of their own: the per-score bias work needs registers
 registers and spills of their compiled code, docs/benchmarks.md). The biased dQ pass needs
 ``BLOCK_M >= BLOCK_N`` (the deterministic position rows' window) and ``BLOCK_M >= 16 * num_warps`` (one owner
 per element for its scatter, :func:`kernels.triton.bias.scatter_add`; whole 16-row groups for the position
-gradient, :func:`kernels.triton.bias.add_position_grad`).
+gradient, :func:`kernels.triton.bias.add_position_grad`). Float32 inputs take small tiles of their own, biased or
+not: the 16-bit lists' tiles and pipeline stages need more shared memory at 4 bytes per element than an SM has
+(the forward's 256x64 tile in 3 stages at head dim 128: 320 KiB against Hopper's 227).
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ _LENGTH_KEYS = ("N_BUCKET", "AVG_BUCKET")
 _TAGS: dict[int, str] = {}
 
 
-def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
+def _configs(plain: list[tuple], biased: list[tuple], fp32: list[tuple]) -> list[triton.Config]:
     """Tuples as configs, tagged by the variants they serve."""
     out = []
-    for tag, rows in (("plain", plain), ("biased", biased)):
+    for tag, rows in (("plain", plain), ("biased", biased), ("fp32", fp32)):
         for bm, bn, warps, stages in rows:
             config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
             _TAGS[id(config)] = tag
@@ -55,14 +57,17 @@ def _configs(plain: list[tuple], biased: list[tuple]) -> list[triton.Config]:
 FWD_CONFIGS = _configs(
     plain=[(256, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
     biased=[(128, 64, 8, 3), (128, 32, 4, 3)],
+    fp32=[(64, 32, 4, 2), (32, 32, 4, 2)],
 )
 DQ_CONFIGS = _configs(
     plain=[(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3)],
     biased=[(128, 32, 8, 2), (64, 32, 4, 2)],
+    fp32=[(64, 32, 4, 2), (32, 32, 2, 2)],
 )
 DKDV_CONFIGS = _configs(
     plain=[(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)],
     biased=[(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+    fp32=[(32, 64, 4, 2), (32, 32, 4, 2)],
 )
 
 
@@ -71,17 +76,21 @@ def biased_dq_ok(config: triton.Config) -> bool:
     return config.kwargs["BLOCK_M"] >= max(config.kwargs["BLOCK_N"], 16 * config.num_warps)
 
 
-assert all(biased_dq_ok(c) for c in DQ_CONFIGS if _TAGS[id(c)] == "biased")
+assert all(biased_dq_ok(c) for c in DQ_CONFIGS if _TAGS[id(c)] in ("biased", "fp32"))
 
 
-def configs_for(configs: list[triton.Config], meta: dict) -> list[triton.Config]:
-    """The configs of ``configs`` that serve this variant (biased or not); the first is its heuristic."""
-    tag = "biased" if meta.get("HAS_PB") or meta.get("HAS_TB") else "plain"
+def configs_for(configs: list[triton.Config], meta: dict, dtype: torch.dtype) -> list[triton.Config]:
+    """The configs of ``configs`` that serve this variant (float32 inputs; else biased or not) of inputs of
+    ``dtype``; the first is its heuristic."""
+    if dtype == torch.float32:
+        tag = "fp32"
+    else:
+        tag = "biased" if meta.get("HAS_PB") or meta.get("HAS_TB") else "plain"
     return [c for c in configs if _TAGS.get(id(c)) == tag]
 
 
 def prune(configs: list[triton.Config], named_args: dict, **meta) -> list[triton.Config]:
-    return configs_for(configs, meta)
+    return configs_for(configs, meta, named_args["Q"].dtype)
 
 
 def device_key(device: torch.device) -> str:

@@ -1016,7 +1016,7 @@ def _launch_config(tuned, plain, cpu_blocks, kwargs, x, on_cuda) -> dict | None:
         config = checked_in_pick(x.device, entry_key(plain.__name__, x.dtype, tuned.keys, kwargs))
         if config is None and tuning:
             return None
-        config = _PICKS[pick] = config or configs_for(tuned.configs, kwargs)[0]
+        config = _PICKS[pick] = config or configs_for(tuned.configs, kwargs, x.dtype)[0]
     return config.all_kwargs()
 
 
@@ -1029,7 +1029,7 @@ def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, k
         if recording():
             # The autotuner would compile every config of the variant: record them all, and remember no
             # pick, so that the real launch still tunes.
-            for candidate in configs_for(tuned.configs, kwargs):
+            for candidate in configs_for(tuned.configs, kwargs, args[0].dtype):
                 plain[(batch_heads * triton.cdiv(grid_rows, candidate.kwargs[block_key]),)](
                     *args, **kwargs, **candidate.all_kwargs()
                 )

@@ -82,7 +82,7 @@ def test_launch_takes_the_checked_in_pick_then_the_heuristic_without_tuning(tabl
     monkeypatch.setenv("GEM_KERNELS_AUTOTUNE", "0")
     taken.clear()
     jagged_attention(q, k, v, offsets, 25, activation="softmax", backend="triton")
-    assert taken == [configs.configs_for(configs.FWD_CONFIGS, {})[0].kwargs]
+    assert taken == [configs.configs_for(configs.FWD_CONFIGS, {}, q.dtype)[0].kwargs]
 
 
 def test_a_checked_in_biased_dq_tile_that_breaks_the_kernel_is_refused(table):
@@ -103,4 +103,26 @@ def test_configs_survive_the_autotuning_disk_cache(listed):
     for config in listed:
         rebuilt = triton.Config(**config.__dict__)
         assert rebuilt.all_kwargs() == config.all_kwargs()
-    assert configs.configs_for(listed, {"HAS_PB": True}) and configs.configs_for(listed, {"HAS_PB": False})
+    for dtype in (torch.bfloat16, torch.float32):
+        assert configs.configs_for(listed, {"HAS_PB": True}, dtype) and configs.configs_for(listed, {"HAS_PB": False}, dtype)
+
+
+def _pipelined_bytes(config: triton.Config, elem: int, d: int) -> int:
+    """Shared memory of a tile pair: the resident ``[BLOCK_M, d]`` tile and ``num_stages`` buffered pairs of
+    ``[BLOCK_N, d]`` tiles (the forward's Q and K/V), at ``elem`` bytes per element."""
+    kw = config.kwargs
+    return elem * d * (kw["BLOCK_M"] + 2 * config.num_stages * kw["BLOCK_N"])
+
+
+@pytest.mark.parametrize("listed", [configs.FWD_CONFIGS, configs.DQ_CONFIGS, configs.DKDV_CONFIGS])
+def test_float32_inputs_take_tiles_that_fit_an_sm(listed):
+    """Float32 inputs at head dim 128 take tiles whose pipelined loads fit Hopper's 227 KiB of shared memory; the
+    16-bit forward heuristic would need 320 KiB there (Triton's OutOfResources on every 16-bit forward config,
+    found evaluating a float32 model on an H100)."""
+    hopper = 232_448
+    for meta in ({"HAS_PB": False}, {"HAS_PB": True}):
+        picked = configs.configs_for(listed, meta, torch.float32)
+        assert picked and all(_pipelined_bytes(c, 4, 128) <= hopper for c in picked)
+        assert not set(map(id, picked)) & set(map(id, configs.configs_for(listed, meta, torch.bfloat16)))
+    wide = configs.configs_for(configs.FWD_CONFIGS, {}, torch.bfloat16)
+    assert all(_pipelined_bytes(c, 4, 128) > hopper for c in wide)

@@ -397,7 +397,7 @@ def test_an_autotuned_launch_records_every_config_and_remembers_no_pick(monkeypa
     with record_launches() as record:
         jagged_attention(q, k, v, offsets, 5, activation="silu", backend="triton")
     expected = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-                for c in configs_for(FWD_CONFIGS, {"HAS_PB": False, "HAS_TB": False})]
+                for c in configs_for(FWD_CONFIGS, {"HAS_PB": False, "HAS_TB": False}, q.dtype)]
     got = [tuple(dict(s.kwargs)[name] for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
            for s in record.specs]
     assert got == expected and all(s.name == "_fwd_kernel" for s in record.specs)
