@@ -18,6 +18,7 @@ forward, backward and both, in one process: bf16 checks against the float32 refe
 variant's first call, autotuned or not), then ``--repeats`` rounds of ``do_bench`` medians, and the
 biased/unbiased time ratios. ``--write-tuned PATH`` writes the checked-in table
 ``kernels/triton/tuned_configs.json`` plus the run's autotuner picks to PATH (autotuning on).
+``--dtype fp32`` checks and times float32 inputs instead of bf16 (their own tiles, ``kernels/triton/configs.py``).
 ``--device cpu`` runs the same on tiny shapes under ``TRITON_INTERPRET=1`` (a dry run of the
 script, not a measurement).
 
@@ -222,8 +223,10 @@ def warm_jobs(acts, targets, heads, dim, cross: bool) -> list[tuple]:
 
 
 def run_job(job: tuple) -> dict | None:
+    global DTYPE
     kind, name, kw = job
     kw = dict(kw)
+    DTYPE = kw.pop("dtype")  # a spawned worker starts from the module's default
     gen = torch.Generator(DEVICE).manual_seed(zlib.crc32(name.encode()))
     if kind == "warm-teacher":
         # The parent's autotuning switch holds: the workers compile what the timed run will use.
@@ -261,7 +264,9 @@ def run_job(job: tuple) -> dict | None:
 
 
 def run_parallel(jobs: list[tuple], workers: int) -> list[dict]:
-    """Run jobs in spawned processes: Triton compiles on one core each, and the box has many."""
+    """Run jobs in spawned processes (at this run's ``DTYPE``): Triton compiles on one core each, and the box has
+    many."""
+    jobs = [(kind, name, {**kw, "dtype": DTYPE}) for kind, name, kw in jobs]
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers) as pool:
         return [r for r in pool.map(run_job, jobs, chunksize=1) if r is not None]
@@ -678,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-tuned", type=str, default=None, metavar="PATH",
                         help="write the checked-in table plus this run's autotuner picks here (then copy it to "
                              "kernels/triton/tuned_configs.json)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                        help="the kernels' inputs on the GPU (fp32: their float32 tiles; the CPU runs fp32)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a dry run under TRITON_INTERPRET=1 (use tiny --teacher-n/--teacher-tokens)")
     args = parser.parse_args(argv)
@@ -686,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE, DTYPE
     DEVICE = args.device
     # The interpreter computes through numpy, which has no bfloat16.
-    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    DTYPE = torch.bfloat16 if DEVICE == "cuda" and args.dtype == "bf16" else torch.float32
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (or --device cpu with TRITON_INTERPRET=1 for a dry run)", file=sys.stderr)
         return 2
@@ -698,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "argv": sys.argv,
             "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
-            "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "default")}
+            "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "default"), "dtype": str(DTYPE).removeprefix("torch.")}
     if args.teacher:
         return main_teacher(args, meta)
     if DEVICE == "cpu":
