@@ -368,9 +368,11 @@ FLAVORS: dict[str, Callable[[], ExperimentConfig]] = {
     # host"): batches read and padded in 4 workers into pinned memory, parameters cast once per step, padded
     # batches on static buffers with the dense step replayed from CUDA graphs. The bench's buckets were
     # (64,72) at 512 events and (64,128) at 4,096; the larger ones take the rarer batches of many short rows.
+    # The bench's learning rate too: the smaller teachers' 1e-3 diverged at this width (docs/benchmarks.md,
+    # "Issue 15, session 46").
     "teacher-large": lambda: _teacher(
         "teacher-large", "large", "data/synth-large", batch_size=512, token_budget=16384, num_workers=4,
-        pin_memory=True, precision="bf16-mixed", bucket_rows=(64, 128, 256, 512), cuda_graphs=True,
+        pin_memory=True, precision="bf16-mixed", bucket_rows=(64, 128, 256, 512), cuda_graphs=True, lr=1e-4,
     ),
     # ML-1M: every epoch one permutation of all users (shuffle_window=0), as the reference's sampler.
     "ml1m_hstu": lambda: _teacher("ml1m_hstu", "ml1m_hstu", "data/ml1m", **_ML1M_TRAIN),
