@@ -12,10 +12,13 @@ Usage::
 Any flavor of :mod:`experiments.flavors` (dotted overrides after the options) is trained for
 ``--epochs`` passes over the train split (cut short after ``--time-budget`` seconds of training)
 with the harness's optimiser (AdamW, ``train.lr``, ``train.weight_decay``, gradient clipping at
-``train.grad_clip``; with ``model.teacher.sparse_tables`` the tables' rows step lazily in ``MasterAdamW``), under bf16 autocast when ``train.precision`` is ``bf16-mixed``;
-``--max-steps`` caps the steps of an epoch (dry runs, fixed data budgets). After every epoch the
-valid and test splits are scored (under the training autocast); the reported figures are the test metrics of the epoch with the best valid click NE (early
-stopping on the earlier time window, never on test). ``test_recalibrated`` repeats them after a
+``train.grad_clip``; with ``model.teacher.sparse_tables`` the tables' rows step lazily in ``MasterAdamW``), under
+bf16 autocast when ``train.precision`` is ``bf16-mixed``, and in the harness's form of the step
+(:mod:`gem.step_options`): with ``train.bucket_rows`` (``teacher-large``) padded batches through
+:class:`gem.loop.StaticStep`, replayed from CUDA graphs with ``train.cuda_graphs``, parameters cast once with
+``train.cast_once``. ``--max-steps`` caps the steps of an epoch (dry runs, fixed data budgets). After every epoch
+the valid and test splits are scored (under the training autocast); the reported figures are the test metrics of
+the epoch with the best valid click NE (early stopping on the earlier time window, never on test). ``test_recalibrated`` repeats them after a
 per-task, per-domain Platt scaling fitted on valid: it separates ranking quality from calibration
 under the world's drift. Metrics are the harness's
 (:class:`foundation.metrics.PredictionLog`): NE, AUC and calibration per task, overall and per
@@ -45,10 +48,12 @@ from foundation.data.io import atomic_write_text
 from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import PredictionLog
-from foundation.model.precision import MasterAdamW
+from foundation.model.padding import PaddedBatches
+from foundation.model.precision import CastOnce, MasterAdamW
 from gem.flavors import get_flavor
-from gem.loop import autocast, train_epoch
+from gem.loop import StaticStep, autocast, train_epoch
 from gem.registry import build_model
+from gem.step_options import step_options
 
 
 @torch.no_grad()
@@ -115,13 +120,25 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(cfg.train.seed)
     torch.set_float32_matmul_precision("high")
     model = build_model(cfg.model, schema).to(device)
-    # Sparse table gradients (model.teacher.sparse_tables) step lazily in MasterAdamW, AdamW's update otherwise.
-    sparse = cfg.model.arch == "teacher" and cfg.model.teacher.sparse_tables
-    adamw = MasterAdamW if sparse else torch.optim.AdamW
+    options, notes = step_options(cfg, has_lookups=hasattr(model, "look_up"))
+    for note in notes:
+        print(note, flush=True)
+    # As the harness chooses (gem.module.RecModule.configure_optimizers): MasterAdamW, AdamW's update, steps the
+    # sparse tables' rows and keeps the static step's cast-once copies; torch's AdamW otherwise.
+    master = options.sparse_tables or (options.shapes is not None and options.cast_once)
+    adamw = MasterAdamW if master else torch.optim.AdamW
     optimizer = adamw(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     autocast_dtype = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
     eval_cfg = dataclasses.replace(cfg.data, batch_size=args.eval_batch_size, token_budget=0)
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
+    static_step = None
+    if options.shapes is not None:
+        cast = CastOnce(model, autocast_dtype) if options.cast_once else None
+        if cast is not None and master:
+            optimizer.keep_copies(cast)
+        static_step = StaticStep(model, optimizer, autocast_dtype=autocast_dtype, config=options.graphs,
+                                 grad_clip=cfg.train.grad_clip, cast_once=cast)
+    train_data = PaddedBatches(stream, options.shapes) if options.shapes is not None else stream
     history: list[dict] = []
     start = time.perf_counter()
     deadline = start + args.time_budget if args.time_budget > 0 else None
@@ -134,11 +151,13 @@ def run(args: argparse.Namespace) -> dict:
             **train_epoch(
                 model,
                 optimizer,
-                build_dataloader(stream, cfg.data),
+                build_dataloader(train_data, cfg.data),
                 grad_clip=cfg.train.grad_clip,
                 autocast_dtype=autocast_dtype,
                 max_steps=args.max_steps,
                 deadline=deadline,
+                static_step=static_step,
+                prepare=options.shapes if options.graphs.cuda_graphs else None,
             ),
             "elapsed_s": time.perf_counter() - start,
         }

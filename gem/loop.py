@@ -121,32 +121,46 @@ def train_epoch(
     max_steps: int = -1,
     deadline: float | None = None,
     cast_once: bool = False,
+    static_step: StaticStep | None = None,
+    prepare: StaticShapes | None = None,
 ) -> dict:
     """One pass of :func:`train_step` over ``batches`` (at most ``max_steps`` when >= 0, and none begun after
     the ``time.perf_counter()`` value ``deadline``).
 
-    Returns the mean loss, the step and row counts, the model FLOPs trained (``flops``, the sum of
-    ``model.flops(batch)`` over the steps; 0 for a model without a counter) and :class:`Throughput`'s figures
-    over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32). ``cast_once`` runs
+    Returns the mean loss, the step, padded-step (``static_step``'s) and row counts, the model FLOPs trained
+    (``flops``, the sum of ``model.flops(batch)`` over the steps; 0 for a model without a counter) and
+    :class:`Throughput`'s figures over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32). ``cast_once`` runs
     :func:`train_step` with a :class:`~foundation.model.precision.CastOnce` of the model (autocast only).
+    ``static_step`` (made with the same optimizer, clip and autocast) takes the padded batches
+    (:class:`~foundation.model.padding.PaddedBatches`), :func:`train_step` the others; with ``prepare`` (the
+    batches' shapes) every bucket is warmed up and captured after the pass's first padded step
+    (:meth:`StaticStep.prepare`; a later pass finds them ready).
     """
     device = next(model.parameters()).device
     once = CastOnce(model, autocast_dtype) if cast_once and autocast_dtype is not None else None
     meter = Throughput(model, device, "bf16-mixed" if autocast_dtype == torch.bfloat16 else "32-true")
-    total_loss, steps, rows = torch.zeros((), device=device), 0, 0
+    total_loss, steps, rows, padded, prepared = torch.zeros((), device=device), 0, 0, 0, False
     for batch in batches:
         if steps == max_steps or (deadline is not None and time.perf_counter() > deadline):
             break
         meter.count(batch)
-        losses = train_step(
-            model, batch.to(device, non_blocking=True), optimizer, grad_clip=grad_clip, autocast_dtype=autocast_dtype,
-            cast_once=once,
-        )
+        if static_step is not None and isinstance(batch, PaddedBatch):
+            losses = static_step(batch)  # from the host batch into its bucket's buffers
+            padded += 1
+            if prepare is not None and not prepared:
+                static_step.prepare(batch, prepare)
+                prepared = True
+        else:
+            losses = train_step(
+                model, batch.to(device, non_blocking=True), optimizer, grad_clip=grad_clip,
+                autocast_dtype=autocast_dtype, cast_once=once,
+            )
         total_loss += losses["loss"].detach()  # summed on the device: no per-step sync
         steps += 1
-        rows += batch.batch_size
+        rows += batch.real_rows if isinstance(batch, PaddedBatch) else batch.batch_size
     return {
-        "loss": float(total_loss) / max(steps, 1), "steps": steps, "rows": rows, "flops": meter.flops, **meter.metrics()
+        "loss": float(total_loss) / max(steps, 1), "steps": steps, "padded_steps": padded, "rows": rows,
+        "flops": meter.flops, **meter.metrics(),
     }
 
 

@@ -75,6 +75,26 @@ def test_small_teacher_learns_the_synthetic_world_and_beats_the_constant_predict
     # bound (reels' AUC standard error is ~0.04; seeds 0-2 score .547-.559 there).
 
 
+def test_teacher_vs_baseline_trains_bucketed_flavors_through_the_static_step_as_the_plain_one(tmp_path):
+    """With ``train.bucket_rows`` (as ``teacher-large`` sets it) the padded batches go through the static step
+    (eagerly on the CPU; every bucket prepared after the first with ``train.cuda_graphs``): in float32 without
+    dropout the same losses and test metrics as the plain step on the same batches (padding changes neither)."""
+    data = write_dataset(tmp_path / "events", rows={"train": 480, "valid": 96, "test": 96}, row_group_size=96)
+    common = ["--data", str(data), "--flavor", "teacher-debug", "--epochs", "2", "--device", "cpu",
+              "data.batch_size=32", "data.token_budget=256", "model.teacher.dropout=0.0", "train.precision=32-true"]
+    results = {}
+    for name, extra in (("plain", []), ("bucketed", ["train.bucket_rows=(24,36)", "train.cuda_graphs=true"])):
+        assert main([*common, "--json", str(tmp_path / f"{name}.json"), *extra]) == 0
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    plain, bucketed = (results[k]["history"] for k in ("plain", "bucketed"))
+    assert [r["padded_steps"] for r in plain] == [0, 0]
+    assert [r["padded_steps"] for r in bucketed] == [r["steps"] for r in bucketed] == [r["steps"] for r in plain]
+    assert [r["rows"] for r in bucketed] == [r["rows"] for r in plain]
+    for a, b in zip(plain, bucketed, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (a["loss"], b["loss"])
+        assert abs(a["test"]["click/ne"] - b["test"]["click/ne"]) < 1e-4
+
+
 def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     """`bench_teacher --profile N` (what found the bias-gradient hot spot): the timed steps, then a
     profiler table of N more and their time by group, in the JSON; a second run compares its losses with
