@@ -18,9 +18,9 @@ bf16 autocast when ``train.precision`` is ``bf16-mixed``, and in the harness's f
 :class:`gem.loop.StaticStep`, replayed from CUDA graphs with ``train.cuda_graphs``, parameters cast once with
 ``train.cast_once``. ``--max-steps`` caps the steps of an epoch (dry runs, fixed data budgets). After every epoch
 the valid and test splits are scored (under the training autocast); the reported figures are the test metrics of
-the epoch with the best valid click NE (early stopping on the earlier time window, never on test). ``test_recalibrated`` repeats them after a
-per-task, per-domain Platt scaling fitted on valid: it separates ranking quality from calibration
-under the world's drift. Metrics are the harness's
+the epoch with the best valid click NE (early stopping on the earlier time window, never on test).
+``test_recalibrated`` repeats them after a per-task, per-domain Platt scaling fitted on valid: it separates
+ranking quality from calibration under the world's drift. Metrics are the harness's
 (:class:`foundation.metrics.PredictionLog`): NE, AUC and calibration per task, overall and per
 domain, with the oracle's beside them. The JSON also records the model FLOPs trained (the sum of
 the model's ``flops(batch)`` over its steps): ``train_flops`` in all, ``train_flops_at_best`` up to

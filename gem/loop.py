@@ -129,8 +129,9 @@ def train_epoch(
 
     Returns the mean loss, the step, padded-step (``static_step``'s) and row counts, the model FLOPs trained
     (``flops``, the sum of ``model.flops(batch)`` over the steps; 0 for a model without a counter) and
-    :class:`Throughput`'s figures over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else fp32). ``cast_once`` runs
-    :func:`train_step` with a :class:`~foundation.model.precision.CastOnce` of the model (autocast only).
+    :class:`Throughput`'s figures over the pass (MFU at bf16 peak with ``autocast_dtype=torch.bfloat16``, else
+    fp32). ``cast_once`` runs :func:`train_step` with a :class:`~foundation.model.precision.CastOnce` of the model
+    (autocast only).
     ``static_step`` (made with the same optimizer, clip and autocast) takes the padded batches
     (:class:`~foundation.model.padding.PaddedBatches`), :func:`train_step` the others; with ``prepare`` (the
     batches' shapes) every bucket is warmed up and captured after the pass's first padded step
