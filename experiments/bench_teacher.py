@@ -160,7 +160,7 @@ from foundation.model.padding import PaddedBatch, PaddedBatches, static_shapes  
 from foundation.model.precision import CastOnce, MasterAdamW  # noqa: E402
 from foundation.model.teacher import build_teacher  # noqa: E402
 from gem.flavors import TEACHER_FLAVORS, synth_preset, teacher_flavor  # noqa: E402
-from gem.loop import GraphConfig, StaticStep  # noqa: E402
+from gem.loop import GraphConfig, StaticStep, build_static_step  # noqa: E402
 from gem.precompile import start_precompile_step, step_key, warm_cache  # noqa: E402
 from kernels.precompile import (  # noqa: E402
     KernelCompilePool,
@@ -226,11 +226,8 @@ def train(
     if shapes is not None:
         graphs = GraphConfig(cuda_graphs=args.cuda_graphs, warmup_steps=args.graph_warmup)
         autocast_dtype = torch.bfloat16 if args.precision == "bf16" else None
-        cast = CastOnce(model) if args.cast_once and autocast_dtype is not None else None
-        if cast is not None and isinstance(optimizer, MasterAdamW):
-            optimizer.keep_copies(cast)
-        static_step = StaticStep(
-            model, optimizer, autocast_dtype=autocast_dtype, config=graphs, log=log_line, cast_once=cast
+        static_step = build_static_step(
+            model, optimizer, autocast_dtype=autocast_dtype, config=graphs, cast_once=args.cast_once, log=log_line
         )
 
     def step(batch, sync: bool = True) -> torch.Tensor:

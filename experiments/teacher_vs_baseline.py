@@ -49,9 +49,9 @@ from foundation.data.pipeline import DataConfig, EventStream, build_dataloader
 from foundation.data.schema import TASKS, EventSchema
 from foundation.metrics import PredictionLog
 from foundation.model.padding import PaddedBatches
-from foundation.model.precision import CastOnce, MasterAdamW
+from foundation.model.precision import MasterAdamW
 from gem.flavors import get_flavor
-from gem.loop import StaticStep, autocast, train_epoch
+from gem.loop import autocast, build_static_step, train_epoch
 from gem.registry import build_model
 from gem.step_options import step_options
 
@@ -133,11 +133,8 @@ def run(args: argparse.Namespace) -> dict:
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)
     static_step = None
     if options.shapes is not None:
-        cast = CastOnce(model, autocast_dtype) if options.cast_once else None
-        if cast is not None and master:
-            optimizer.keep_copies(cast)
-        static_step = StaticStep(model, optimizer, autocast_dtype=autocast_dtype, config=options.graphs,
-                                 grad_clip=cfg.train.grad_clip, cast_once=cast)
+        static_step = build_static_step(model, optimizer, autocast_dtype=autocast_dtype, config=options.graphs,
+                                        cast_once=options.cast_once, grad_clip=cfg.train.grad_clip)
     train_data = PaddedBatches(stream, options.shapes) if options.shapes is not None else stream
     history: list[dict] = []
     start = time.perf_counter()

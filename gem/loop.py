@@ -20,7 +20,7 @@ from torch import nn
 from foundation.data.batch import JaggedBatch
 from foundation.model.flops import peak_flops, throughput_metrics
 from foundation.model.padding import PaddedBatch, StaticShapes, bucket_stand_in
-from foundation.model.precision import CastOnce, clip_grad_norm
+from foundation.model.precision import CastOnce, MasterAdamW, clip_grad_norm
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None, *, cache: bool = True) -> contextlib.AbstractContextManager:
@@ -383,6 +383,26 @@ class StaticStep:
         leaves = [leaf for leaf in slot.leaves if leaf.requires_grad]
         grads = torch.autograd.grad(losses["loss"], [*targets, *leaves], allow_unused=True)
         return {name: value.detach() for name, value in losses.items()}, grads
+
+
+def build_static_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    autocast_dtype: torch.dtype | None,
+    config: GraphConfig,
+    cast_once: bool,
+    grad_clip: float = 0.0,
+    log: Callable[[str], None] = print,
+) -> StaticStep:
+    """A :class:`StaticStep` of ``model`` for a script's own loop; with ``cast_once`` (under autocast only) a
+    :class:`~foundation.model.precision.CastOnce` of its parameters, whose copies a
+    :class:`~foundation.model.precision.MasterAdamW` ``optimizer`` keeps."""
+    cast = CastOnce(model, autocast_dtype) if cast_once and autocast_dtype is not None else None
+    if cast is not None and isinstance(optimizer, MasterAdamW):
+        optimizer.keep_copies(cast)
+    return StaticStep(model, optimizer, autocast_dtype=autocast_dtype, config=config, log=log, grad_clip=grad_clip,
+                      cast_once=cast)
 
 
 def _batch_tensors(batch: JaggedBatch) -> list[torch.Tensor]:
