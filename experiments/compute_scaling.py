@@ -178,7 +178,7 @@ class Size:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every run's learning-rate schedule (:class:`experiments.scaling_run.WarmupCosine`): linear warm-up over
+    """Every run's learning-rate schedule (:class:`gem.schedule.WarmupCosine`): linear warm-up over
     ``warmup_frac`` of the steps, then a cosine to ``final_frac`` of the peak at the end of the run."""
 
     warmup_frac: float = 0.05

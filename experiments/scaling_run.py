@@ -13,7 +13,7 @@ split reads a part of it once). When one pass's batches run out the next pass be
 from the second pass on every row it reads has been read before. ``--steps`` stays the run's total optimizer steps
 (the schedule's length) whatever the passes. Each step is the harness's (:func:`gem.loop.train_epoch`: AdamW,
 ``train.weight_decay``, clipping at ``train.grad_clip``, bf16 autocast when ``train.precision`` is ``bf16-mixed``).
-The learning rate follows :class:`WarmupCosine` from ``--lr`` (default the flavor's ``train.lr``): linear warm-up
+The learning rate follows :class:`gem.schedule.WarmupCosine` from ``--lr`` (default the flavor's ``train.lr``): linear warm-up
 over ``--warmup-steps``, then a cosine down to ``--final-lr-frac`` of the peak at the end of the run. The end is
 ``--steps`` or ``--time-budget`` seconds after training began, whichever comes first (the schedule's progress is the
 larger of the two fractions; the time fraction counts from the first optimizer step, after the first forward and
@@ -39,8 +39,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,78 +52,7 @@ from foundation.data.schema import EventSchema
 from gem.flavors import get_flavor
 from gem.loop import autocast, train_epoch
 from gem.registry import build_model
-
-
-@dataclass(frozen=True)
-class WarmupCosine:
-    """Learning rate ``lr`` reached linearly over ``warmup_steps``, then a cosine to ``final_frac * lr`` at the end.
-
-    The end is ``steps`` optimizer steps or the end of the run's time, whichever comes first: after the warm-up,
-    progress is the larger of ``step / steps`` and the fraction of the run's time spent (given by the caller).
-    """
-
-    lr: float
-    steps: int
-    warmup_steps: int = 0
-    final_frac: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0 or self.steps < 1:
-            raise ValueError(f"schedule: needs lr > 0 and steps >= 1, got lr={self.lr}, steps={self.steps}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"schedule: warmup_steps={self.warmup_steps} must lie in [0, steps={self.steps})")
-        if not 0 <= self.final_frac <= 1:
-            raise ValueError(f"schedule: final_frac={self.final_frac} must lie in [0, 1]")
-
-    def progress(self, step: int, time_fraction: float = 0.0) -> float:
-        """Fraction of the run done before optimizer step ``step`` (0-based) with ``time_fraction`` of its time
-        spent: in [0, 1]."""
-        return min(max(step / self.steps, time_fraction), 1.0)
-
-    def lr_at(self, step: int, time_fraction: float = 0.0) -> float:
-        """The learning rate of optimizer step ``step`` taken with ``time_fraction`` of the run's time spent."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        start = self.warmup_steps / self.steps
-        decayed = max(self.progress(step, time_fraction) - start, 0.0) / (1.0 - start)
-        return self.lr * (self.final_frac + (1.0 - self.final_frac) * 0.5 * (1.0 + math.cos(math.pi * decayed)))
-
-
-class ScheduledLR:
-    """Sets every param group's ``lr`` from ``schedule`` before each ``optimizer.step()`` (a step pre-hook, so any
-    loop that steps the optimizer follows it).
-
-    With a ``deadline`` (a ``clock()`` value; None: steps only), the time fraction runs from the first optimizer
-    step to it: the first forward and backward, which compile and tune the kernels, do not count as training
-    time, and the run still ends by the deadline.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine, deadline: float | None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.schedule, self.deadline, self.clock = schedule, deadline, clock
-        self.origin: float | None = None
-        self.steps = 0
-        self.last_lr = schedule.lr_at(0)
-        self.handle = optimizer.register_step_pre_hook(self.before_step)
-
-    def time_fraction(self) -> float:
-        if self.deadline is None or self.origin is None:
-            return 0.0
-        return (self.clock() - self.origin) / max(self.deadline - self.origin, 1e-9)
-
-    def before_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if self.origin is None:
-            self.origin = self.clock()
-        self.last_lr = self.schedule.lr_at(self.steps, self.time_fraction())
-        for group in optimizer.param_groups:
-            group["lr"] = self.last_lr
-        self.steps += 1
-
-    def finished(self) -> bool:
-        """True once the steps are done or the deadline has passed."""
-        if self.deadline is not None and self.clock() >= self.deadline:
-            return True
-        return self.schedule.progress(self.steps, self.time_fraction()) >= 1.0
+from gem.schedule import ScheduledLR, WarmupCosine
 
 
 class Passes:

@@ -11,8 +11,9 @@ Usage::
 
 Any flavor of :mod:`experiments.flavors` (dotted overrides after the options) is trained for
 ``--epochs`` passes over the train split (cut short after ``--time-budget`` seconds of training)
-with the harness's optimiser (AdamW, ``train.lr``, ``train.weight_decay``, gradient clipping at
-``train.grad_clip``; with ``model.teacher.sparse_tables`` the tables' rows step lazily in ``MasterAdamW``), under
+with the harness's optimiser (AdamW, ``train.lr`` under the harness's schedule: ``train.warmup_steps`` and a cosine
+to ``train.final_lr_frac`` at ``train.max_steps`` or at ``--time-budget``, :mod:`gem.schedule`; ``train.weight_decay``,
+gradient clipping at ``train.grad_clip``; with ``model.teacher.sparse_tables`` the tables' rows step lazily in ``MasterAdamW``), under
 bf16 autocast when ``train.precision`` is ``bf16-mixed``, and in the harness's form of the step
 (:mod:`gem.step_options`): with ``train.bucket_rows`` (``teacher-large``) padded batches through
 :class:`gem.loop.StaticStep`, replayed from CUDA graphs with ``train.cuda_graphs``, parameters cast once with
@@ -53,6 +54,7 @@ from foundation.model.precision import MasterAdamW
 from gem.flavors import get_flavor
 from gem.loop import autocast, build_static_step, train_epoch
 from gem.registry import build_model
+from gem.schedule import ScheduledLR, build_lr_schedule
 from gem.step_options import step_options
 
 
@@ -139,6 +141,8 @@ def run(args: argparse.Namespace) -> dict:
     history: list[dict] = []
     start = time.perf_counter()
     deadline = start + args.time_budget if args.time_budget > 0 else None
+    schedule = build_lr_schedule(cfg.train)
+    scheduled = ScheduledLR(optimizer, schedule, deadline) if schedule is not None else None
     for epoch in range(args.epochs):
         if history and deadline is not None and time.perf_counter() > deadline:
             break
@@ -157,6 +161,7 @@ def run(args: argparse.Namespace) -> dict:
                 prepare=options.shapes if options.graphs.cuda_graphs else None,
             ),
             "elapsed_s": time.perf_counter() - start,
+            "lr": scheduled.last_lr if scheduled is not None else cfg.train.lr,
         }
         with autocast(device, autocast_dtype):  # scored as trained (the harness evaluates bf16-mixed runs so too)
             valid = predict_split(model, cfg.data.path, "valid", eval_cfg)

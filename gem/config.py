@@ -50,6 +50,10 @@ class TrainConfig:
     (:class:`gem.callbacks.ValidateLastEpoch`); ``deterministic`` asks torch for deterministic algorithms
     (Lightning's ``Trainer(deterministic=...)``).
 
+    The learning rate (:mod:`gem.schedule`) rises linearly to ``lr`` over ``warmup_steps`` optimizer steps, then
+    falls on a cosine to ``final_lr_frac * lr`` at ``max_steps`` (which it then needs); the defaults (0, 1) keep
+    ``lr`` throughout.
+
     The teacher's step has three switches (:mod:`gem.step_options`; none changes what is learned):
     ``cast_once`` (under ``bf16-mixed``: each parameter autocast casts at every use is cast once per step,
     :class:`~foundation.model.precision.CastOnce`); ``bucket_rows`` (row counts, ascending: each training
@@ -65,6 +69,8 @@ class TrainConfig:
     max_epochs: int = 1
     max_steps: int = -1
     lr: float = 1e-3
+    warmup_steps: int = 0
+    final_lr_frac: float = 1.0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0

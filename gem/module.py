@@ -37,6 +37,7 @@ from gem.config import experiment_from_dict
 from gem.errors import ModelRoleError, ResumeError
 from gem.loop import StaticStep, Throughput, train_step
 from gem.registry import ITEM_TABLES, TEACHER_ARCHS, build_model
+from gem.schedule import ScheduledLR, build_lr_schedule
 from gem.step_options import step_options
 from transfer.sharing import (
     SharingResult,
@@ -80,6 +81,8 @@ class RecModule(L.LightningModule):
             )
         self._teacher_outputs: dict[str, TeacherOutputs] = {}
         self.step_options, self.step_notes = step_options(self.cfg, has_lookups=hasattr(self.model, "look_up"))
+        self.lr_schedule = build_lr_schedule(self.cfg.train, parallel=self.cfg.parallel.enabled)
+        self.scheduled_lr: ScheduledLR | None = None
         # Made at the first training step that uses them (they need the optimizer, or watch a step).
         self.cast_once: CastOnce | None = None
         self.static_step: StaticStep | None = None
@@ -249,8 +252,11 @@ class RecModule(L.LightningModule):
             plugin.clip_grad_by_norm(optimizer, max_norm)
 
     def step_metrics(self) -> dict[str, float]:
-        """The last step's losses (``train/<name>``) and throughput since the clock started (``perf/<name>``)."""
+        """The last step's losses (``train/<name>``), its learning rate under a schedule (``train/lr``) and throughput
+        since the clock started (``perf/<name>``)."""
         metrics = {f"train/{name}": float(value) for name, value in self.step_losses.items()}
+        if self.scheduled_lr is not None:
+            metrics["train/lr"] = self.scheduled_lr.last_lr
         if self.throughput is not None:
             metrics.update({f"perf/{k}": v for k, v in self.throughput.metrics().items()})
         return metrics
@@ -279,6 +285,10 @@ class RecModule(L.LightningModule):
             self.log("val/loss", self.val_metrics["val/loss"], prog_bar=True, logger=False, batch_size=1,
                      sync_dist=self.trainer.world_size > 1)
 
+    def on_train_start(self) -> None:
+        if self.scheduled_lr is not None:  # a resumed run goes on where its schedule stopped
+            self.scheduled_lr.steps = self.global_step
+
     def on_train_epoch_start(self) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
@@ -287,7 +297,9 @@ class RecModule(L.LightningModule):
     def configure_optimizers(self):
         """AdamW, fused (one kernel per step instead of several per parameter) where :func:`fuses_adamw` allows;
         with ``train.cast_once`` there, :class:`MasterAdamW` (the same update, which also reads the bf16 copies'
-        gradients and writes the copies in its pass), which also steps ``model.teacher.sparse_tables``' rows."""
+        gradients and writes the copies in its pass), which also steps ``model.teacher.sparse_tables``' rows.
+        Under a learning-rate schedule (``train.warmup_steps``, ``train.final_lr_frac``) a
+        :class:`~gem.schedule.ScheduledLR` hook sets its rates before every step."""
         params = self.parameters()
         if self.sharing is not None:
             # Shared teacher parameters train by the sharing policy: frozen, or in a lower-lr group.
@@ -296,8 +308,13 @@ class RecModule(L.LightningModule):
         # optimizer keeps it (the step count on the host), so the default implementation stays.
         fused = not self.cfg.parallel.enabled and fuses_adamw(list(self.parameters()))
         if (fused and self.step_options.cast_once) or self.step_options.sparse_tables:  # torch's AdamW takes no sparse gradients
-            return MasterAdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
-        return torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay, fused=fused)
+            optimizer = MasterAdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay,
+                                          fused=fused)
+        if self.lr_schedule is not None:
+            self.scheduled_lr = ScheduledLR(optimizer, self.lr_schedule)
+        return optimizer
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_state"] = torch.get_rng_state()

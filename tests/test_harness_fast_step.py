@@ -164,10 +164,11 @@ def killed_main() -> None:
     sys.exit(main(sys.argv[1:]))
 
 
-@pytest.mark.parametrize("switches", [BUCKETED, []], ids=["bucketed", "cast_once"])
+@pytest.mark.parametrize("switches", [BUCKETED, ["train.warmup_steps=4", "train.final_lr_frac=0.1"]],
+                         ids=["bucketed", "cast_once_scheduled"])
 def test_a_run_killed_with_the_switches_on_resumes_exactly(dataset, tmp_path, switches):
     """bf16 ``gem train`` SIGKILLed at step 5 (its checkpoint is step 3's) and run again ends where an uninterrupted
-    run does, bit for bit."""
+    run does, bit for bit (under a learning-rate schedule too: the resumed run goes on at its step's rate)."""
 
     def train(out, kill_at: int = -1) -> int:
         args = [

@@ -1,5 +1,5 @@
-"""One run of the compute-scaling sweep: the warm-up + cosine schedule (by steps and by time), the optimizer hook
-that applies it, and the runner's ends (out of data, out of time) and passes over the split on a tiny world."""
+"""One run of the compute-scaling sweep: the runner's schedule, its ends (out of data, out of time) and passes over
+the split on a tiny world (the schedule itself: tests/test_schedule.py)."""
 
 from __future__ import annotations
 
@@ -12,85 +12,10 @@ import pytest
 import torch
 
 from experiments import scaling_run
-from experiments.scaling_run import ScheduledLR, WarmupCosine, main
+from experiments.scaling_run import main
 from foundation.data.synthetic import generate_world
 from gem.flavors import synth_preset
 from tests.test_layers import HEAVY, loaded_packages
-
-
-def test_warmup_is_linear_then_the_cosine_ends_at_the_floor():
-    s = WarmupCosine(lr=1e-3, steps=100, warmup_steps=10, final_frac=0.1)
-    assert [s.lr_at(i) for i in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])
-    assert s.lr_at(9) == pytest.approx(1e-3)  # the last warm-up step reaches the peak
-    assert s.lr_at(10) == pytest.approx(1e-3)  # the decay starts from it
-    assert s.lr_at(55) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half-way through the decay
-    decay = [s.lr_at(i) for i in range(10, 100)]
-    assert all(a > b for a, b in itertools.pairwise(decay))
-    assert s.lr_at(100) == pytest.approx(1e-4) and s.lr_at(500) == pytest.approx(1e-4)
-
-
-def test_constant_rate_without_warmup_or_decay():
-    s = WarmupCosine(lr=2e-3, steps=50)
-    assert {s.lr_at(i, t) for i in range(60) for t in (0.0, 0.5, 2.0)} == {2e-3}
-
-
-def test_time_moves_progress_ahead_of_the_steps():
-    s = WarmupCosine(lr=1.0, steps=1000, warmup_steps=0, final_frac=0.0)
-    assert s.progress(10, 0.5) == 0.5  # time is ahead of the steps: it decides
-    assert s.progress(900, 0.5) == 0.9  # the steps are ahead
-    assert s.lr_at(10, 0.5) == pytest.approx(0.5)  # cos(pi/2): half of the peak, not ~1 as by steps
-    assert s.progress(10, 1.5) == 1.0 and s.lr_at(10, 1.5) == pytest.approx(0.0)
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [dict(lr=0.0, steps=10), dict(lr=1e-3, steps=0), dict(lr=1e-3, steps=10, warmup_steps=10),
-     dict(lr=1e-3, steps=10, final_frac=1.5)],
-)
-def test_bad_schedules_are_refused(kwargs):
-    with pytest.raises(ValueError, match="schedule"):
-        WarmupCosine(**kwargs)
-
-
-def _sgd_steps(scheduled: ScheduledLR, optimizer, param, count: int, now: list[float], tick: float = 0.0):
-    """``count`` SGD steps (gradient 1) ``tick`` seconds apart: the rate each step's update used."""
-    moves = []
-    for _ in range(count):
-        param.grad = torch.ones(3)
-        before = param.detach().clone()
-        optimizer.step()
-        assert {g["lr"] for g in optimizer.param_groups} == {scheduled.last_lr}
-        moves.append(float((before - param.detach())[0]))  # SGD moves by lr * grad
-        now[0] += tick
-    return moves
-
-
-def test_hook_sets_the_rate_of_every_step():
-    now = [0.0]
-    param = torch.nn.Parameter(torch.zeros(3))
-    optimizer = torch.optim.SGD([{"params": [param]}, {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=9.0)
-    schedule = WarmupCosine(lr=1.0, steps=4, warmup_steps=2, final_frac=0.0)
-    scheduled = ScheduledLR(optimizer, schedule, deadline=None, clock=lambda: now[0])
-    # warm-up 1/2, 2/2; then the cosine from the peak at progress 2/4 to 0 at 4/4: 1 at 2/4, 1/2 at 3/4
-    assert _sgd_steps(scheduled, optimizer, param, 4, now) == pytest.approx([0.5, 1.0, 1.0, 0.5])
-    assert scheduled.finished()  # four steps of four
-    scheduled.handle.remove()
-    optimizer.step()
-    assert optimizer.param_groups[0]["lr"] == 0.5  # no longer driven
-
-
-def test_time_counts_from_the_first_step_to_the_deadline():
-    now = [30.0]  # the first forward and backward took 30 s (kernels compiling)
-    param = torch.nn.Parameter(torch.zeros(3))
-    optimizer = torch.optim.SGD([param], lr=1.0)
-    schedule = WarmupCosine(lr=1.0, steps=1000, final_frac=0.0)
-    scheduled = ScheduledLR(optimizer, schedule, deadline=130.0, clock=lambda: now[0])
-    assert scheduled.time_fraction() == 0.0 and not scheduled.finished()
-    # Steps 25 s apart: the time fraction is 0, 1/4, 2/4, 3/4 of the 100 s from the first step to the deadline.
-    moves = _sgd_steps(scheduled, optimizer, param, 4, now, tick=25.0)
-    expected = [0.5 * (1 + math.cos(math.pi * f)) for f in (0.0, 0.25, 0.5, 0.75)]
-    assert moves == pytest.approx(expected)
-    assert now[0] == 130.0 and scheduled.finished()  # the deadline, four steps of a thousand
 
 
 @pytest.fixture(scope="module")
