@@ -79,7 +79,9 @@ class TeacherConfig:
             generative objective); projected to ``d_model`` when they differ.
         sparse_tables: the torchrec tables (items, feature bags) give sparse gradients of the rows a step
             looked up, which :class:`~foundation.model.precision.MasterAdamW` steps lazily (those rows only, as
-            ``torch.optim.SparseAdam``); False: dense gradients and every row stepped by AdamW.
+            ``torch.optim.SparseAdam``); False: dense gradients and every row stepped by AdamW. Opt-in: faster, but
+            on the synthetic ``large`` world, where a step names few rows, it trained worse than AdamW
+            (docs/benchmarks.md, issue 15 session 47).
 
     InterFormer interleaving (arXiv 2411.09852):
         interleave: per layer, condition the sequence on the non-sequence summary (personalised
