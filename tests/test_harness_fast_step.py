@@ -59,8 +59,9 @@ class StepTrace(L.Callback):
         self.padded.append(isinstance(batch, PaddedBatch))
 
 
-def fit(dataset, tmp_path, overrides: list[str]) -> tuple[StepTrace, RecModule]:
-    """The harness's Trainer (gem.train.build_trainer, no MLflow) on the debug teacher with ``overrides``."""
+def fit(dataset, tmp_path, overrides: list[str], callbacks: tuple[L.Callback, ...] = ()) -> tuple[StepTrace, RecModule]:
+    """The harness's Trainer (gem.train.build_trainer, no MLflow) on the debug teacher with ``overrides``, and
+    ``callbacks`` beside its :class:`StepTrace`."""
     cfg = get_flavor("teacher-debug")
     apply_overrides(cfg, [f"data.path={dataset}", f"train.out_dir={tmp_path}", *COMMON, *overrides])
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
@@ -68,7 +69,7 @@ def fit(dataset, tmp_path, overrides: list[str]) -> tuple[StepTrace, RecModule]:
     module = RecModule(cfg.to_dict(), json.loads(datamodule.schema.to_json()))
     trainer = build_trainer(cfg, None, None)
     trace = StepTrace()
-    trainer.callbacks.append(trace)
+    trainer.callbacks.extend([trace, *callbacks])
     trainer.fit(module, datamodule=datamodule)
     return trace, module
 

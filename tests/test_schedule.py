@@ -5,7 +5,6 @@ it step by step."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 
@@ -13,16 +12,12 @@ import lightning as L
 import pytest
 import torch
 
-from foundation.config import ConfigError, apply_overrides
-from foundation.model.padding import PaddedBatch
+from foundation.config import ConfigError
 from gem.cli import main
 from gem.config import TrainConfig
-from gem.datamodule import EventDataModule
-from gem.flavors import get_flavor
-from gem.module import RecModule
 from gem.schedule import ScheduledLR, WarmupCosine, build_lr_schedule
-from gem.train import build_trainer
 from tests.events import write_dataset
+from tests.test_harness_fast_step import fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,44 +138,29 @@ def dataset(tmp_path_factory):
 
 
 class RateTrace(L.Callback):
-    """The rate each training step's update used, the ``train/lr`` the module reports after it, and whether the
-    batch came padded (the static step's)."""
+    """The rate each training step's update used and the ``train/lr`` the module reports after it."""
 
     def __init__(self) -> None:
         self.used: list[float] = []
         self.reported: list[float] = []
-        self.padded: list[bool] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.used.append(trainer.optimizers[0].param_groups[0]["lr"])
         self.reported.append(pl_module.step_metrics()["train/lr"])
-        self.padded.append(isinstance(batch, PaddedBatch))
 
 
-@pytest.mark.parametrize(
-    ("flavor", "step"),
-    [("debug", []),
-     # The teacher's static step on padded batches (gem.loop.StaticStep), MasterAdamW keeping the cast-once copies.
-     ("teacher-debug", ["data.token_budget=256", "train.bucket_rows=(24,36)", "model.teacher.dropout=0.0"])],
-    ids=["plain_step", "static_step"],
-)
-def test_the_harness_follows_the_schedule_step_by_step(dataset, tmp_path, flavor, step):
-    cfg = get_flavor(flavor)
-    apply_overrides(cfg, [f"data.path={dataset}", f"train.out_dir={tmp_path}", "data.batch_size=32", "train.lr=0.01",
-                          "train.max_steps=8", "train.warmup_steps=3", "train.final_lr_frac=0.0",
-                          "train.progress_bar=false", *step])
-    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-    datamodule = EventDataModule(cfg.data)
-    module = RecModule(cfg.to_dict(), json.loads(datamodule.schema.to_json()))
-    trainer = build_trainer(cfg, None, None)
-    trace = RateTrace()
-    trainer.callbacks.append(trace)
-    trainer.fit(module, datamodule=datamodule)
+# The debug teacher's plain step, and its static step on padded batches (gem.loop.StaticStep, MasterAdamW keeping
+# the cast-once copies).
+@pytest.mark.parametrize("step", [[], ["train.bucket_rows=(24,36)"]], ids=["plain_step", "static_step"])
+def test_the_harness_follows_the_schedule_step_by_step(dataset, tmp_path, step):
+    rates = RateTrace()
+    steps, _ = fit(dataset, tmp_path, ["train.lr=0.01", "train.max_steps=8", "train.warmup_steps=3",
+                                       "train.final_lr_frac=0.0", *step], callbacks=(rates,))
     expected = [0.01 * (i + 1) / 3 for i in range(3)] + [0.01 * 0.5 * (1 + math.cos(math.pi * (i - 3) / 5))
                                                            for i in range(3, 8)]
-    assert trace.used == pytest.approx(expected) and trace.reported == pytest.approx(expected)
-    assert trace.padded == [bool(step)] * 8
+    assert rates.used == pytest.approx(expected) and rates.reported == pytest.approx(expected)
     assert all(a > b for a, b in itertools.pairwise(expected[3:]))  # the decay, from the peak
+    assert steps.padded == [bool(step)] * 8
 
 
 def test_gem_train_refuses_a_decay_without_an_end_in_one_line(dataset, tmp_path, capsys):
