@@ -27,6 +27,7 @@ import torch
 from kernels import settings
 from kernels.checks import check_offsets, check_qkv, check_values
 from kernels.glue import (
+    catch_up_rows,
     draw_dropout_mask,
     jagged_silu_modulate,
     layer_norm,
@@ -44,6 +45,7 @@ from kernels.spec import AttentionSpec
 __all__ = [
     "ACTIVATIONS",
     "AttentionSpec",
+    "catch_up_rows",
     "check_values",
     "draw_dropout_mask",
     "jagged_attention",

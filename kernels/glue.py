@@ -1,7 +1,7 @@
 """Dispatchers for the glue around the attention kernels: a fused LayerNorm (alone or after a residual add), a
 per-row SiLU modulation and a split SiLU; and the split of a fused key-value projection (:func:`unbind_pair`).
 The optimizer's kernels are here too: the multi-tensor AdamW (:func:`multi_adamw`) and the embedding tables' lazy
-row AdamW (:func:`row_adamw`).
+row AdamW (:func:`row_adamw`) with its catch-up of missed steps (:func:`catch_up_rows`).
 
 Like :mod:`kernels` for attention, ``backend="auto"`` runs the Triton kernels on CUDA tensors and the
 PyTorch references elsewhere; ``"pytorch"`` and ``"triton"`` force one (the Triton one also runs on CPU
@@ -462,6 +462,60 @@ def row_adamw(
         from kernels.pytorch.adamw import row_adamw as impl
     impl(param, exp_avg, exp_avg_sq, rows.to(torch.int64), grad_rows.contiguous(), lr=lr, betas=betas, eps=eps,
          weight_decay=weight_decay, step=step)
+
+
+def catch_up_rows(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    last_step: torch.Tensor,
+    rows: torch.Tensor,
+    clock: torch.Tensor,
+    schedule: torch.Tensor,
+    log_decay: torch.Tensor,
+    *,
+    betas: tuple[float, float],
+    eps: float,
+    window: int,
+    backend: str = "auto",
+) -> None:
+    """The zero-gradient AdamW steps that a lazily stepped table's rows missed, applied when a step looks them up,
+    so that the rows, read and stepped only when named, follow dense AdamW (:class:`foundation.model.deferred_rows.
+    DeferredRows`). No device sync on the Triton path: it can run inside a captured CUDA graph.
+
+    Args:
+        param, exp_avg, exp_avg_sq: ``[R, D]`` contiguous float32 table and moments, updated in place.
+        last_step: ``[R]`` int32, each row's step count so far; set to ``clock[0]`` on the rows caught up.
+        rows: ``[N]`` int64 row ids, repeats allowed.
+        clock: ``[2]`` int32 on the device: the steps so far, and the step the schedule's entry 0 stands for.
+        schedule: ``[S, 3]`` float32: per step ``u`` (at ``u - clock[1]``) ``lr / (1 - beta1^u)``,
+            ``sqrt(1 - beta2^u)`` and ``1 - lr * weight_decay``.
+        log_decay: ``[S]`` float64: the running sum of ``log(1 - lr * weight_decay)`` from ``clock[1]``.
+        betas, eps: AdamW's. window: the missed steps applied one by one (the later ones only decay).
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+    """
+    if param.dim() != 2 or param.dtype != torch.float32 or not param.is_contiguous():
+        raise ValueError(f"catch_up_rows: param must be a contiguous float32 [R, D] table, got {param.dtype} {tuple(param.shape)}")
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.shape != param.shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"catch_up_rows: {name} must be contiguous float32 {tuple(param.shape)}, got {t.dtype} {tuple(t.shape)}")
+    expected = {"last_step": (last_step, torch.int32, (param.shape[0],)), "clock": (clock, torch.int32, (2,)),
+                "schedule": (schedule, torch.float32, (schedule.shape[0], 3)),
+                "log_decay": (log_decay, torch.float64, (schedule.shape[0],))}
+    for name, (t, dtype, shape) in expected.items():
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"catch_up_rows: {name} must be contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+    if rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(f"catch_up_rows: rows must be 1-D int64 ids, got {rows.dtype} {tuple(rows.shape)}")
+    if window < 1:
+        raise ValueError(f"catch_up_rows: window must be at least 1, got {window}")
+    if any(t.device != param.device for t in (exp_avg, exp_avg_sq, last_step, rows, clock, schedule, log_decay)):
+        raise ValueError(f"catch_up_rows: not every tensor is on {param.device}")
+    if _resolve(backend, param) == "triton":
+        from kernels.triton.adamw import catch_up_rows as impl
+    else:
+        from kernels.pytorch.adamw import catch_up_rows as impl
+    impl(param, exp_avg, exp_avg_sq, last_step, rows, clock, schedule, log_decay, betas=betas, eps=eps, window=window)
 
 
 def sum_rows(rows: torch.Tensor, values: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -74,3 +74,55 @@ def row_adamw(
                 weight_decay=weight_decay, step=step)
     for table, values in zip((param, exp_avg, exp_avg_sq), touched, strict=True):
         table[unique] = values
+
+
+def catch_up_rows(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    last_step: torch.Tensor,
+    rows: torch.Tensor,
+    clock: torch.Tensor,
+    schedule: torch.Tensor,
+    log_decay: torch.Tensor,
+    *,
+    betas: tuple[float, float],
+    eps: float,
+    window: int,
+) -> None:
+    """Bring the rows ``rows[N]`` (repeats allowed) of a lazily stepped table ``param[R, D]`` to where AdamW would
+    have them after ``clock[0]`` steps: each row ``r`` with ``last_step[r] < clock[0]`` gets the zero-gradient
+    AdamW steps it missed, ``last_step[r] + 1 .. clock[0]``, moments included, and ``last_step[r] = clock[0]``.
+
+    The steps' scalars come from the device: ``schedule[u - clock[1], :]`` holds step ``u``'s ``lr / (1 -
+    beta1^u)``, ``sqrt(1 - beta2^u)`` and ``1 - lr * weight_decay`` (float32), ``log_decay[u - clock[1]]`` the sum
+    of ``log(1 - lr * weight_decay)`` over the steps ``clock[1] + 1 .. u`` (float64). The first ``window`` missed
+    steps are applied one by one (:func:`multi_adamw`'s update with a zero gradient); after them a zero-gradient
+    step's update is below ``(beta1 / sqrt(beta2))^window`` of the first one's, so the later ones only decay the
+    moments and the row (closed form). Every ``last_step`` must be at least ``clock[1]``."""
+    beta1, beta2 = betas
+    now, base = (int(x) for x in clock.tolist())
+    unique = torch.unique(rows)
+    old = last_step[unique].to(torch.int64)
+    unique, old = unique[old < now], old[old < now]
+    if unique.numel() == 0:
+        return
+    p, m, v = param[unique], exp_avg[unique], exp_avg_sq[unique]
+    stop = old.clamp(max=now - window) + window  # min(old + window, now)
+    zero = torch.zeros_like(m)
+    for u in range(int(old.min()) + 1, int(stop.max()) + 1):
+        live = ((old < u) & (u <= stop))[:, None]
+        step_size, bias_sqrt, decay = schedule[u - base].tolist()
+        q, n, w = p.clone(), m.clone(), v.clone()
+        q.mul_(decay)
+        n.lerp_(zero, 1.0 - beta1)
+        w.mul_(beta2)
+        q.addcdiv_(n, (w.sqrt() / bias_sqrt).add_(eps), value=-step_size)
+        p, m, v = torch.where(live, q, p), torch.where(live, n, m), torch.where(live, w, v)
+    skipped = (now - stop).to(torch.float64)[:, None]
+    m = m * (beta1**skipped).to(torch.float32)
+    v = v * (beta2**skipped).to(torch.float32)
+    p = p * torch.exp(log_decay[now - base] - log_decay[stop - base])[:, None].to(torch.float32)
+    for table, values in zip((param, exp_avg, exp_avg_sq), (p, m, v), strict=True):
+        table[unique] = values
+    last_step[unique] = now

@@ -219,3 +219,50 @@ def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, we
         param, exp_avg, exp_avg_sq, ordered, segment, sums, d, 1.0 - lr * weight_decay, 1.0 - beta1, beta2,
         1.0 - beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps, BLOCK_D=block, num_warps=warps,
     )
+
+
+# The entry count follows the batch: unspecialised, a new bucket compiles nothing.
+@triton.jit(do_not_specialize=["N"])
+def _catch_up_kernel(P, M, V, LAST, ROWS, CLOCK, SCHEDULE, LOG_DECAY, N, D, one_minus_beta1, beta2, one_minus_beta2,
+                     log2_beta1, log2_beta2, eps, WINDOW: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per entry; the entry that swaps the clock into its row's last step catches the row up, the
+    # other entries of that row find it current. The step scalars are read from the device, so a captured graph
+    # replays with the current ones.
+    row = tl.load(ROWS + tl.program_id(0))
+    now = tl.load(CLOCK)
+    base = tl.load(CLOCK + 1)
+    old = tl.atomic_xchg(LAST + row, now)
+    if old < now:
+        stop = tl.minimum(old + WINDOW, now)
+        skipped = (now - stop).to(tl.float32)
+        far_m = tl.exp2(skipped * log2_beta1)
+        far_v = tl.exp2(skipped * log2_beta2)
+        far_p = tl.exp(tl.load(LOG_DECAY + now - base) - tl.load(LOG_DECAY + stop - base)).to(tl.float32)
+        for start in range(0, D, BLOCK_D):
+            offs = row * D + start + tl.arange(0, BLOCK_D)
+            mask = start + tl.arange(0, BLOCK_D) < D
+            p = tl.load(P + offs, mask=mask)
+            m = tl.load(M + offs, mask=mask)
+            v = tl.load(V + offs, mask=mask)
+            for u in range(old + 1, stop + 1):
+                entry = SCHEDULE + 3 * (u - base)
+                p, m, v = _update(p, tl.zeros_like(p), m, v, tl.load(entry + 2), one_minus_beta1, beta2,
+                                  one_minus_beta2, tl.load(entry), tl.load(entry + 1), eps)
+            tl.store(P + offs, p * far_p, mask=mask)
+            tl.store(M + offs, m * far_m, mask=mask)
+            tl.store(V + offs, v * far_v, mask=mask)
+
+
+def catch_up_rows(param, exp_avg, exp_avg_sq, last_step, rows, clock, schedule, log_decay, *, betas, eps,
+                  window) -> None:
+    """Same contract as :func:`kernels.pytorch.adamw.catch_up_rows`; no device sync, so it can run inside a captured
+    CUDA graph (the clock and the schedule are read when it runs)."""
+    n, d = rows.numel(), param.shape[1]
+    if n == 0:
+        return
+    beta1, beta2 = betas
+    block, warps = _row_block(d)
+    _catch_up_kernel[(n,)](
+        param, exp_avg, exp_avg_sq, last_step, rows, clock, schedule, log_decay, n, d, 1.0 - beta1, beta2,
+        1.0 - beta2, math.log2(beta1), math.log2(beta2), eps, WINDOW=window, BLOCK_D=block, num_warps=warps,
+    )
