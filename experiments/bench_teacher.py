@@ -691,7 +691,9 @@ def build_optimizer(model, args: argparse.Namespace) -> torch.optim.Optimizer:
     bf16 copies kept by it) or ``adamw`` (torch's fused AdamW: float32 gradients, the copies refreshed by the
     forward). No weight decay either way."""
     if args.optimizer == "master":
-        return MasterAdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        optimizer = MasterAdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        optimizer.defer_rows(model)  # sparse_tables: the looked-up rows step, with AdamW's result
+        return optimizer
     if model.cfg.sparse_tables:
         raise SystemExit("--optimizer adamw: torch's AdamW takes no sparse gradients; sparse_tables=True needs "
                          "--optimizer master")

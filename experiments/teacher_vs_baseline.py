@@ -13,7 +13,7 @@ Any flavor of :mod:`experiments.flavors` (dotted overrides after the options) is
 ``--epochs`` passes over the train split (cut short after ``--time-budget`` seconds of training)
 with the harness's optimiser (AdamW, ``train.lr`` under the harness's schedule: ``train.warmup_steps`` and a cosine
 to ``train.final_lr_frac`` at ``train.max_steps`` or at ``--time-budget``, :mod:`gem.schedule`; ``train.weight_decay``,
-gradient clipping at ``train.grad_clip``; with ``model.teacher.sparse_tables`` the tables' rows step lazily in ``MasterAdamW``), under
+gradient clipping at ``train.grad_clip``; with ``model.teacher.sparse_tables`` only the rows a step looked up step, in ``MasterAdamW``, with AdamW's result), under
 bf16 autocast when ``train.precision`` is ``bf16-mixed``, and in the harness's form of the step
 (:mod:`gem.step_options`): with ``train.bucket_rows`` (``teacher-large``) padded batches through
 :class:`gem.loop.StaticStep`, replayed from CUDA graphs with ``train.cuda_graphs``, parameters cast once with
@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> dict:
     master = options.sparse_tables or (options.shapes is not None and options.cast_once)
     adamw = MasterAdamW if master else torch.optim.AdamW
     optimizer = adamw(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if master:
+        optimizer.defer_rows(model)
     autocast_dtype = torch.bfloat16 if cfg.train.precision.startswith("bf16") else None
     eval_cfg = dataclasses.replace(cfg.data, batch_size=args.eval_batch_size, token_budget=0)
     stream = EventStream(cfg.data.path, cfg.data.train_split, cfg.data, training=True)

@@ -285,6 +285,11 @@ class RecModule(L.LightningModule):
             self.log("val/loss", self.val_metrics["val/loss"], prog_bar=True, logger=False, batch_size=1,
                      sync_dist=self.trainer.world_size > 1)
 
+    def on_train_end(self) -> None:
+        optimizer = getattr(self.optimizers(), "optimizer", self.optimizers())
+        if isinstance(optimizer, MasterAdamW):  # what reads the tables after training reads them up to date
+            optimizer.flush_rows()
+
     def on_train_start(self) -> None:
         if self.scheduled_lr is not None:  # a resumed run goes on where its schedule stopped
             self.scheduled_lr.steps = self.global_step
@@ -297,7 +302,8 @@ class RecModule(L.LightningModule):
     def configure_optimizers(self):
         """AdamW, fused (one kernel per step instead of several per parameter) where :func:`fuses_adamw` allows;
         with ``train.cast_once`` there, :class:`MasterAdamW` (the same update, which also reads the bf16 copies'
-        gradients and writes the copies in its pass), which also steps ``model.teacher.sparse_tables``' rows.
+        gradients and writes the copies in its pass), which also steps ``model.teacher.sparse_tables``' rows (the
+        rows a step looked up, with AdamW's result: :meth:`MasterAdamW.defer_rows`).
         Under a learning-rate schedule (``train.warmup_steps``, ``train.final_lr_frac``) a
         :class:`~gem.schedule.ScheduledLR` hook sets its rates before every step."""
         params = self.parameters()
@@ -309,6 +315,7 @@ class RecModule(L.LightningModule):
         fused = not self.cfg.parallel.enabled and fuses_adamw(list(self.parameters()))
         if (fused and self.step_options.cast_once) or self.step_options.sparse_tables:  # torch's AdamW takes no sparse gradients
             optimizer = MasterAdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+            optimizer.defer_rows(self.model)
         else:
             optimizer = torch.optim.AdamW(params, lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay,
                                           fused=fused)

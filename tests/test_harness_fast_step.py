@@ -97,15 +97,40 @@ def test_bucketed_batches_train_through_the_static_step_as_the_plain_step(datase
         torch.testing.assert_close(value, plain_module.model.state_dict()[name], rtol=1e-4, atol=5e-5, msg=name)
 
 
+class RowsBehind(L.Callback):
+    """Per training step: how many item-table rows the deferred optimizer left behind the step count."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        rows = pl_module.optimizers().optimizer.deferred[pl_module.model.items.collection.embeddings["t_item"].weight]
+        self.counts.append(int((rows.last < rows.now).sum()))
+
+
 def test_sparse_tables_train_clipped_through_the_static_step(dataset, tmp_path):
     """``model.teacher.sparse_tables``: the tables' gradients are sparse, clipped with the rest (the harness clips at
-    ``train.grad_clip`` = 1), MasterAdamW steps them (whatever ``train.cast_once`` says), the loss falls; a parallel
-    run is refused in one line."""
-    trace, module = fit(dataset, tmp_path / "sparse", ["train.max_steps=8", "model.teacher.sparse_tables=true", *BUCKETED])
-    assert module.cfg.train.grad_clip > 0 and isinstance(module.optimizers().optimizer, MasterAdamW)
+    ``train.grad_clip`` = 1), MasterAdamW steps them (whatever ``train.cast_once`` says) with AdamW's result: the
+    losses, the trained tables and the checkpoint's are the dense tables' within the optimizers' rounding (the
+    rows no step of the last ones named caught up when the checkpoint was taken). A parallel run is refused in one
+    line."""
+    behind = RowsBehind()
+    trace, module = fit(dataset, tmp_path / "sparse", ["train.max_steps=8", "model.teacher.sparse_tables=true", *BUCKETED],
+                        callbacks=(behind,))
+    dense, dense_module = fit(dataset, tmp_path / "dense", ["train.max_steps=8", *BUCKETED])
+    optimizer = module.optimizers().optimizer
+    assert module.cfg.train.grad_clip > 0 and isinstance(optimizer, MasterAdamW)
     table = module.model.items.collection.embeddings["t_item"].weight
-    assert table.grad.is_sparse and trace.padded == [True] * 8
+    assert table.grad.is_sparse and trace.padded == [True] * 8 and table in optimizer.deferred
+    assert max(behind.counts) > 0  # item rows a step left for a later lookup to catch up
     assert trace.losses[-1] < trace.losses[0]
+    torch.testing.assert_close(torch.tensor(trace.losses), torch.tensor(dense.losses), rtol=0, atol=1e-5)
+    checkpoints = [load_checkpoint_file(tmp_path / run / "teacher-debug" / "checkpoints" / "last.ckpt")["state_dict"]
+                   for run in ("sparse", "dense")]
+    for name, value in dense_module.model.state_dict().items():
+        torch.testing.assert_close(module.model.state_dict()[name], value, rtol=1e-4, atol=5e-5, msg=name)
+        key = f"model.{name}"
+        torch.testing.assert_close(checkpoints[0][key], checkpoints[1][key], rtol=1e-4, atol=5e-5, msg=key)
     cfg = get_flavor("teacher-debug")
     apply_overrides(cfg, ["model.teacher.sparse_tables=true", "parallel.enabled=true"])
     with pytest.raises(ConfigError, match="one device only"):

@@ -110,11 +110,13 @@ def test_unsupported_options_say_so():
 TABLE = "items.collection.embeddings.t_item.weight"
 
 
-def _run_tables(sparse: bool, static: bool, steps: int = 3):
-    """A float32 teacher (``sparse_tables`` as given) stepped by MasterAdamW without weight decay;
+def _run_tables(sparse: bool, static: bool, steps: int = 3, defer: bool = False, weight_decay: float = 0.0):
+    """A float32 teacher (``sparse_tables`` as given) stepped by MasterAdamW (its tables deferred or not);
     per step the item-table rows it looked up, and the table after it."""
     model, _ = build(sparse_tables=sparse)
-    optimizer = MasterAdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = MasterAdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
+    if defer:
+        assert optimizer.defer_rows(model) == [n for n, p in model.named_parameters() if "collection" in n]
     step = StaticStep(model, optimizer, autocast_dtype=None, config=GraphConfig()) if static else None
     table = dict(model.named_parameters())[TABLE]
     torch.manual_seed(9)
@@ -125,7 +127,7 @@ def _run_tables(sparse: bool, static: bool, steps: int = 3):
         assert grad.is_sparse == sparse
         touched.append(torch.unique(grad._indices()[0]) if sparse else None)
         tables.append(table.detach().clone())
-    return torch.stack(losses), touched, tables, model
+    return torch.stack(losses), touched, tables, model, optimizer
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["plain_step", "static_step"])
@@ -133,8 +135,8 @@ def test_sparse_tables_step_only_the_rows_a_batch_looked_up(static):
     """With ``sparse_tables`` the tables' gradients are sparse and MasterAdamW steps only the rows they name. The
     first step equals dense AdamW's (an untouched row's first AdamW update is zero); from the second on, a row
     looked up before but not in this step keeps its value where dense AdamW moves it on its momentum."""
-    losses, touched, tables, model = _run_tables(sparse=True, static=static)
-    dense_losses, _, dense_tables, _ = _run_tables(sparse=False, static=static)
+    losses, touched, tables, model, _ = _run_tables(sparse=True, static=static)
+    dense_losses, _, dense_tables, _, _ = _run_tables(sparse=False, static=static)
     torch.testing.assert_close(losses[:2], dense_losses[:2], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(tables[0], dense_tables[0], rtol=1e-6, atol=1e-7)
     assert model.cfg.sparse_tables and not any(p.grad.is_sparse for n, p in model.named_parameters() if "collection" not in n)
@@ -147,6 +149,51 @@ def test_sparse_tables_step_only_the_rows_a_batch_looked_up(static):
     assert torch.equal(tables[1][idle], tables[0][idle])
     assert not torch.allclose(dense_tables[1][idle], dense_tables[0][idle])
     assert not torch.equal(tables[1][second], tables[0][second])
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["plain_step", "static_step"])
+def test_deferred_tables_train_as_dense_adamw(static):
+    """With ``defer_rows`` the sparse tables step only the rows a batch looked up, yet every forward reads what
+    dense AdamW would have (the losses of 6 steps agree), and the state a checkpoint takes is dense AdamW's: the
+    tables and their moments after ``state_dict`` (which brings every row to date; before it some rows were behind).
+    With weight decay, so the rows no step named also decay."""
+    losses, _, tables, model, optimizer = _run_tables(sparse=True, static=static, steps=6, defer=True, weight_decay=0.1)
+    dense_losses, _, dense_tables, dense_model, dense_optimizer = _run_tables(sparse=False, static=static, steps=6,
+                                                                              weight_decay=0.1)
+    torch.testing.assert_close(losses, dense_losses, rtol=1e-5, atol=1e-6)
+    deferred = optimizer.deferred[dict(model.named_parameters())[TABLE]]
+    behind = deferred.last < deferred.now
+    assert behind.any() and not torch.allclose(tables[-1][behind], dense_tables[-1][behind])
+    state, dense_state = optimizer.state_dict()["state"], dense_optimizer.state_dict()["state"]
+    assert bool((deferred.last == deferred.now).all())
+    for (name, p), dense_p in zip(model.named_parameters(), dense_model.parameters(), strict=True):
+        torch.testing.assert_close(p, dense_p, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for i, moments in state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(moments[key], dense_state[i][key], rtol=1e-4, atol=1e-9)
+
+
+def test_deferred_tables_resume_from_their_state():
+    """A deferred optimizer's state loads into a fresh one over the same model (every row current at the loaded
+    step), which then steps as the original would."""
+    batches = padded_batches(5)
+    runs = []
+    for split in (False, True):
+        model, _ = build(sparse_tables=True)
+        optimizer = MasterAdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        optimizer.defer_rows(model)
+        torch.manual_seed(9)
+        for i, batch in enumerate(batches):
+            if split and i == 3:
+                state = optimizer.state_dict()
+                optimizer = MasterAdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+                optimizer.load_state_dict(state)
+                optimizer.defer_rows(model)
+            train_step(model, batch, optimizer)
+        optimizer.flush_rows()
+        runs.append({k: v.clone() for k, v in model.state_dict().items()})
+    for key in runs[0]:
+        torch.testing.assert_close(runs[1][key], runs[0][key], rtol=1e-6, atol=1e-7, msg=key)
 
 
 def _clip_case(sparse: bool, scale: float):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from foundation.model.deferred_rows import DeferredRows, hook_lookups, sparse_tables
 from kernels import multi_adamw, multi_copy, row_adamw, sum_rows
 
 
@@ -218,9 +219,11 @@ class MasterAdamW(torch.optim.AdamW):
     ``amsgrad``, ``maximize``, ``capturable`` or ``differentiable``.
 
     A sparse gradient of whole rows (an embedding table's with ``sparse=True``: the teacher's ``sparse_tables``)
-    steps lazily, by :func:`kernels.row_adamw`: only the rows it names, with their moments, as
-    ``torch.optim.SparseAdam`` does (and AdamW's decay on those rows); no dense gradient is formed and the
-    untouched rows are not read.
+    steps only the rows it names, with their moments, by :func:`kernels.row_adamw`; no dense gradient is formed and
+    the other rows are not read. Alone that is lazy Adam (``torch.optim.SparseAdam``'s rule, with AdamW's decay on
+    the named rows); after :meth:`defer_rows` it is AdamW's result (:mod:`foundation.model.deferred_rows`: the
+    zero-gradient steps a row missed are applied when a forward looks it up), and :meth:`state_dict` first brings
+    every row to date.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -230,10 +233,43 @@ class MasterAdamW(torch.optim.AdamW):
         # Each parameter's step count on the host, mirroring state["step"]: reading the tensor at every step
         # would be one `.item()` per parameter (a device sync where a loaded state put it on the GPU).
         self.host_steps: dict[torch.Tensor, int] = {}
+        self.deferred: dict[torch.Tensor, DeferredRows] = {}
+
+    def defer_rows(self, model: nn.Module) -> list[str]:
+        """Step the sparse-gradient tables of ``model`` that this optimizer holds as dense AdamW would (class doc):
+        their lookups catch their rows up first. Returns the tables' parameter names."""
+        held = {p for group in self.param_groups for p in group["params"]}
+        names = {p: name for name, p in model.named_parameters()}
+        for weight, module in sparse_tables(model).items():
+            if weight not in held or weight in self.deferred:
+                continue
+            group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
+            state = self.state[weight]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+            step = int(state["step"].item())
+            self.deferred[weight] = DeferredRows(weight, state["exp_avg"], state["exp_avg_sq"], step=step,
+                                                 betas=group["betas"], eps=group["eps"])
+            hook_lookups(module, self.deferred[weight])
+        return [names[p] for p in self.deferred]
+
+    def flush_rows(self) -> None:
+        """Bring every row of the deferred tables to the current step."""
+        for rows in self.deferred.values():
+            rows.flush()
+
+    def state_dict(self) -> dict:
+        self.flush_rows()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self.host_steps = {}
+        for weight, rows in self.deferred.items():
+            state = self.state[weight]
+            rows.rebind(state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()))
 
     def keep_copies(self, cast_once: CastOnce) -> None:
         """Write ``cast_once``'s copies and take its held gradients from now on (class doc)."""
@@ -271,11 +307,20 @@ class MasterAdamW(torch.optim.AdamW):
                     self.host_steps[p] = int(state["step"].item())
                 self.host_steps[p] += 1
                 state["step"] += 1
+                deferred = self.deferred.get(p)
                 if grad.is_sparse:
-                    row_adamw(p, state["exp_avg"], state["exp_avg_sq"], grad._indices()[0], grad._values(),
-                              lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
-                              weight_decay=group["weight_decay"], step=self.host_steps[p])
+                    rows = grad._indices()[0]
+                    if deferred is not None:  # a no-op on the rows a hooked lookup caught up
+                        deferred.catch_up(rows)
+                    row_adamw(p, state["exp_avg"], state["exp_avg_sq"], rows, grad._values(), lr=float(group["lr"]),
+                              betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                              step=self.host_steps[p])
+                    if deferred is not None:
+                        deferred.stepped(rows, step=self.host_steps[p], lr=float(group["lr"]),
+                                         weight_decay=group["weight_decay"])
                     continue
+                if deferred is not None:
+                    raise ValueError("MasterAdamW: a deferred table got a dense gradient; its rows would step stale")
                 lists = by_step.setdefault(self.host_steps[p], ([], [], [], [], []))
                 for out, value in zip(lists, (p, grad, state["exp_avg"], state["exp_avg_sq"], copy_of.get(id(p))),
                                       strict=True):

@@ -78,10 +78,11 @@ class TeacherConfig:
         item_dim: width of the item embedding table (shared by history, candidate and the
             generative objective); projected to ``d_model`` when they differ.
         sparse_tables: the torchrec tables (items, feature bags) give sparse gradients of the rows a step
-            looked up, which :class:`~foundation.model.precision.MasterAdamW` steps lazily (those rows only, as
-            ``torch.optim.SparseAdam``); False: dense gradients and every row stepped by AdamW. Opt-in: faster, but
-            on the synthetic ``large`` world, where a step names few rows, it trained worse than AdamW
-            (docs/benchmarks.md, issue 15 session 47).
+            looked up, and :class:`~foundation.model.precision.MasterAdamW` steps those rows only, with AdamW's
+            result: the steps a row missed are applied when a lookup next reads it
+            (:mod:`foundation.model.deferred_rows`). False: dense gradients and every row stepped at every step.
+            (Lazy Adam, which drops the missed steps, trained worse on the synthetic ``large`` world:
+            docs/benchmarks.md, issue 15 session 47.)
 
     InterFormer interleaving (arXiv 2411.09852):
         interleave: per layer, condition the sequence on the non-sequence summary (personalised
