@@ -196,6 +196,37 @@ def test_deferred_tables_resume_from_their_state():
         torch.testing.assert_close(runs[1][key], runs[0][key], rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_deferred_rows_across_schedule_restarts(monkeypatch):
+    """A table whose schedule holds 3 steps (it restarts every 2: all rows brought to date, then on) under a rate
+    that changes every step and weight decay: each step's loss and the final table are dense AdamW's."""
+    import foundation.model.deferred_rows as deferred_rows
+
+    monkeypatch.setattr(deferred_rows, "CAPACITY", 3)
+    torch.manual_seed(0)
+    ours = torch.nn.Embedding(30, 6, sparse=True)
+    theirs = torch.nn.Embedding(30, 6)
+    theirs.weight.data.copy_(ours.weight.data)
+    optimizers = [MasterAdamW(table.parameters(), lr=1e-2, weight_decay=0.1) for table in (ours, theirs)]
+    optimizers[0].defer_rows(ours)
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 12):
+        ids = torch.randint(0, 30, (5,), generator=g)  # most rows sit out most steps
+        target = torch.randn(5, 6, generator=g)
+        losses = []
+        for table, optimizer in zip((ours, theirs), optimizers, strict=True):
+            optimizer.param_groups[0]["lr"] = 1e-2 * (1 + 0.5 * (step % 3))
+            optimizer.zero_grad(set_to_none=True)
+            loss = ((table(ids) - target) ** 2).sum()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6, msg=f"step {step}")
+    rows = optimizers[0].deferred[ours.weight]
+    assert rows.base == 10 and bool((rows.last < rows.now).any())
+    optimizers[0].flush_rows()
+    torch.testing.assert_close(ours.weight, theirs.weight, rtol=1e-6, atol=1e-7)
+
+
 def _clip_case(sparse: bool, scale: float):
     """An embedding (ids repeated) and a linear layer after a backward, the loss scaled by ``scale``."""
     torch.manual_seed(4)

@@ -39,13 +39,15 @@ class DeferredRows:
         exp_avg, exp_avg_sq: its AdamW moments ``[R, D]`` float32.
         step: the steps the table has taken so far; every row is current there.
         betas, eps: AdamW's.
-        capacity, window: the schedule's entries and :func:`kernels.catch_up_rows`' window.
+        capacity, window: the schedule's entries (default :data:`CAPACITY`) and :func:`kernels.catch_up_rows`'
+            window.
     """
 
     def __init__(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
-                 betas: tuple[float, float], eps: float, capacity: int = CAPACITY, window: int = WINDOW) -> None:
+                 betas: tuple[float, float], eps: float, capacity: int | None = None, window: int = WINDOW) -> None:
         self.param, self.betas, self.eps, self.window = param, betas, eps, window
         device = param.device
+        capacity = capacity or CAPACITY
         self.last = torch.empty(param.shape[0], dtype=torch.int32, device=device)
         self.clock = torch.empty(2, dtype=torch.int32, device=device)
         self.schedule = torch.zeros(capacity, 3, dtype=torch.float32, device=device)
