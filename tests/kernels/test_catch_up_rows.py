@@ -121,3 +121,21 @@ def test_bad_arguments_say_which(change, message):
     window = args.pop("window")
     with pytest.raises(ValueError, match=message):
         catch_up_rows(**args, betas=BETAS, eps=EPS, window=window)
+
+
+def test_bench_catch_up_checks_the_kernel_and_times_every_case(tmp_path):
+    """``experiments.bench_catch_up`` on CPU (the kernel in Triton's interpreter): the kernel agrees with its
+    reference, every case is timed, the JSON is written; bad sizes are refused in one line."""
+    import json
+
+    from experiments import bench_catch_up
+
+    out = tmp_path / "catch_up.json"
+    assert bench_catch_up.main(["--device", "cpu", "--rows", "64", "--dim", "8", "--entries", "24", "--steps", "6",
+                                "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert all(c["max_abs_diff"] <= 1e-6 * max(1.0, c["max_abs_ref"]) for c in result["checks"].values())
+    assert set(result["ms_median"]) == {"behind_by_the_window", "gaps_1_to_steps", "one_step_behind", "current",
+                                        "flush_behind_by_the_window"}
+    with pytest.raises(SystemExit):
+        bench_catch_up.main(["--rows", "0"])
