@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from foundation.data.io import atomic_write_text
-from foundation.model.deferred_rows import WINDOW
+from foundation.model.deferred_rows import WINDOW, schedule_entry
 from kernels import catch_up_rows
 
 BETAS, EPS, LR, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 1e-4, 0.01
@@ -39,7 +39,7 @@ def build_schedule(steps: int, capacity: int, device: torch.device) -> tuple[tor
     log_decay = torch.zeros(capacity, dtype=torch.float64)
     total = 0.0
     for u in range(1, steps + 1):
-        schedule[u] = torch.tensor([LR / (1 - BETAS[0] ** u), math.sqrt(1 - BETAS[1] ** u), 1 - LR * WEIGHT_DECAY])
+        schedule[u] = torch.tensor(schedule_entry(u, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY))
         total += math.log1p(-LR * WEIGHT_DECAY)
         log_decay[u] = total
     return schedule.to(device), log_decay.to(device)

@@ -31,6 +31,12 @@ WINDOW = 192
 CAPACITY = 4096
 
 
+def schedule_entry(step: int, *, lr: float, betas: tuple[float, float], weight_decay: float) -> tuple[float, float, float]:
+    """Step ``step``'s row of the schedule :func:`kernels.catch_up_rows` reads: ``lr / (1 - beta1^step)``,
+    ``sqrt(1 - beta2^step)`` and ``1 - lr * weight_decay``."""
+    return lr / (1.0 - betas[0] ** step), math.sqrt(1.0 - betas[1] ** step), 1.0 - lr * weight_decay
+
+
 class DeferredRows:
     """The deferred AdamW state of one table: each row's last step and the steps' scalars since ``base``.
 
@@ -80,8 +86,7 @@ class DeferredRows:
             self.flush()
             self.rebind(self.exp_avg, self.exp_avg_sq, self.now)
         entry = step - self.base
-        beta1, beta2 = self.betas
-        for column, value in enumerate((lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), 1.0 - lr * weight_decay)):
+        for column, value in enumerate(schedule_entry(step, lr=lr, betas=self.betas, weight_decay=weight_decay)):
             self.schedule[entry, column].fill_(value)
         self.summed_log_decay += math.log1p(-lr * weight_decay)
         self.log_decay[entry].fill_(self.summed_log_decay)
