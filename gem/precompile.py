@@ -23,8 +23,9 @@ from torch import nn
 
 import foundation
 from foundation.data.batch import JaggedBatch
+from foundation.model.deferred_rows import DeferredRows, sparse_tables
 from gem.loop import autocast
-from kernels import multi_adamw, multi_copy
+from kernels import multi_adamw, multi_copy, row_adamw
 from kernels.precompile import (
     SLOWEST_REPORTED,
     CompileJob,
@@ -86,8 +87,9 @@ def record_step(
     restored. ``cast_dtype``: the dtype of the step's :class:`~foundation.model.precision.CastOnce` copies, whose
     copy kernel (:func:`kernels.multi_copy`: the parameters into their copies, the copies' gradients back) is
     recorded on one-element stand-ins, the parameters it copies being known only after the first step's forward.
-    ``master_adamw``: the step's optimizer is a :class:`~foundation.model.precision.MasterAdamW`, whose kernel's
-    variants are recorded the same way (:func:`launch_master_adamw`); torch's AdamW launches no Triton kernel.
+    ``master_adamw``: the step's optimizer is a :class:`~foundation.model.precision.MasterAdamW`, whose kernels'
+    variants are recorded the same way (:func:`launch_master_adamw`, with the row kernels of the model's sparse
+    tables); torch's AdamW launches no Triton kernel.
     ``on_spec``: called with each spec as it is first launched
     (:func:`kernels.precompile.record_launches`).
     """
@@ -103,7 +105,7 @@ def record_step(
             if cast_dtype is not None:
                 launch_cast_copies(device, cast_dtype)
             if master_adamw:
-                launch_master_adamw(device, cast_dtype)
+                launch_master_adamw(device, cast_dtype, tables=list(sparse_tables(model)))
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
@@ -121,11 +123,14 @@ def launch_cast_copies(device: torch.device, dtype: torch.dtype) -> None:
     multi_copy([full], [low])
 
 
-def launch_master_adamw(device: torch.device, cast_dtype: torch.dtype | None) -> None:
+def launch_master_adamw(device: torch.device, cast_dtype: torch.dtype | None,
+                        tables: Sequence[torch.Tensor] = ()) -> None:
     """The launches of a :class:`~foundation.model.precision.MasterAdamW` step on ``[2, 2]`` stand-ins: float32
     gradients of parameters without a copy and, with ``cast_dtype`` copies, float32 (the first step's, before the
     copies exist in the forward) and ``cast_dtype`` gradients (the held ones) into those copies; each with a
-    gradient laid out as its parameter and with a transposed one (a launch of its own)."""
+    gradient laid out as its parameter and with a transposed one (a launch of its own). Per width of the sparse
+    ``tables[R, D]`` (their rows' deferred steps: :meth:`~foundation.model.precision.MasterAdamW.defer_rows`) the
+    row kernels on ``[2, D]`` stand-ins: the catch-up, the gradient's row sums and the rows' update."""
 
     def two(dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(2, 2, dtype=dtype, device=device)
@@ -137,6 +142,12 @@ def launch_master_adamw(device: torch.device, cast_dtype: torch.dtype | None) ->
         for grad in (two(grad_dtype), two(grad_dtype).t()):
             multi_adamw([two()], [grad], [two()], [two()], copies=[two(copy_dtype) if copy_dtype else None],
                         lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1)
+    for dtype, width in {(t.dtype, t.shape[1]) for t in tables}:
+        param, exp_avg, exp_avg_sq = (torch.zeros(2, width, device=device) for _ in range(3))
+        rows = torch.arange(2, device=device)
+        DeferredRows(param, exp_avg, exp_avg_sq, step=0, betas=(0.9, 0.999), eps=1e-8, capacity=2).catch_up(rows)
+        row_adamw(param, exp_avg, exp_avg_sq, rows, torch.zeros(2, width, dtype=dtype, device=device), lr=1e-3,
+                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1)
 
 
 @dataclass

@@ -223,8 +223,8 @@ def row_adamw(param, exp_avg, exp_avg_sq, rows, grad_rows, *, lr, betas, eps, we
 
 # The entry count follows the batch: unspecialised, a new bucket compiles nothing.
 @triton.jit(do_not_specialize=["N"])
-def _catch_up_kernel(P, M, V, LAST, ROWS, CLOCK, SCHEDULE, LOG_DECAY, N, D, one_minus_beta1, beta2, one_minus_beta2,
-                     log2_beta1, log2_beta2, eps, WINDOW: tl.constexpr, BLOCK_D: tl.constexpr):
+def _catch_up_kernel(P, M, V, LAST, ROWS, CLOCK, SCHEDULE, LOG_DECAY, N, D, log2_beta1, log2_beta2, eps,
+                     WINDOW: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per entry; the entry that swaps the clock into its row's last step catches the row up, the
     # other entries of that row find it current. The step scalars are read from the device, so a captured graph
     # replays with the current ones.
@@ -234,9 +234,7 @@ def _catch_up_kernel(P, M, V, LAST, ROWS, CLOCK, SCHEDULE, LOG_DECAY, N, D, one_
     old = tl.atomic_xchg(LAST + row, now)
     if old < now:
         stop = tl.minimum(old + WINDOW, now)
-        skipped = (now - stop).to(tl.float32)
-        far_m = tl.exp2(skipped * log2_beta1)
-        far_v = tl.exp2(skipped * log2_beta2)
+        behind = (now - old).to(tl.float32)
         far_p = tl.exp(tl.load(LOG_DECAY + now - base) - tl.load(LOG_DECAY + stop - base)).to(tl.float32)
         for start in range(0, D, BLOCK_D):
             offs = row * D + start + tl.arange(0, BLOCK_D)
@@ -244,13 +242,19 @@ def _catch_up_kernel(P, M, V, LAST, ROWS, CLOCK, SCHEDULE, LOG_DECAY, N, D, one_
             p = tl.load(P + offs, mask=mask)
             m = tl.load(M + offs, mask=mask)
             v = tl.load(V + offs, mask=mask)
+            # With a zero gradient the moments only decay, m_k = beta1^k m and sqrt(v_k) = beta2^(k/2) sqrt(v), so
+            # the k-th missed update is m * (step_size beta1^k) / (sqrt(v) beta2^(k/2) / bias_sqrt + eps): one
+            # division per value and step in place of the dense update's two and a square root.
+            root = tl.sqrt_rn(v)
             for u in range(old + 1, stop + 1):
                 entry = SCHEDULE + 3 * (u - base)
-                p, m, v = _update(p, tl.zeros_like(p), m, v, tl.load(entry + 2), one_minus_beta1, beta2,
-                                  one_minus_beta2, tl.load(entry), tl.load(entry + 1), eps)
+                k = (u - old).to(tl.float32)
+                scale = tl.exp2(k * (0.5 * log2_beta2)) / tl.load(entry + 1)
+                size = tl.load(entry) * tl.exp2(k * log2_beta1)
+                p = p * tl.load(entry + 2) - m * (size / (root * scale + eps))
             tl.store(P + offs, p * far_p, mask=mask)
-            tl.store(M + offs, m * far_m, mask=mask)
-            tl.store(V + offs, v * far_v, mask=mask)
+            tl.store(M + offs, m * tl.exp2(behind * log2_beta1), mask=mask)
+            tl.store(V + offs, v * tl.exp2(behind * log2_beta2), mask=mask)
 
 
 def catch_up_rows(param, exp_avg, exp_avg_sq, last_step, rows, clock, schedule, log_decay, *, betas, eps,
@@ -263,6 +267,6 @@ def catch_up_rows(param, exp_avg, exp_avg_sq, last_step, rows, clock, schedule, 
     beta1, beta2 = betas
     block, warps = _row_block(d)
     _catch_up_kernel[(n,)](
-        param, exp_avg, exp_avg_sq, last_step, rows, clock, schedule, log_decay, n, d, 1.0 - beta1, beta2,
-        1.0 - beta2, math.log2(beta1), math.log2(beta2), eps, WINDOW=window, BLOCK_D=block, num_warps=warps,
+        param, exp_avg, exp_avg_sq, last_step, rows, clock, schedule, log_decay, n, d, math.log2(beta1),
+        math.log2(beta2), eps, WINDOW=window, BLOCK_D=block, num_warps=warps,
     )

@@ -189,6 +189,35 @@ def test_the_record_holds_the_master_adamw_launches_of_the_first_steps(on_triton
     assert all(dict(s.kwargs)["STRIDED"] for s in set(added) - set(real.specs))
 
 
+def test_the_record_holds_the_row_kernels_of_deferred_sparse_tables(on_triton):
+    """A teacher with ``sparse_tables`` stepped by :class:`MasterAdamW` with deferred rows launches the catch-up,
+    the gradients' row sums and the rows' update; the record holds each in the variants the real steps launch
+    (the tables' width decides their blocks), and the real steps launch nothing the record lacks."""
+    from foundation.model.padding import StaticShapes, pad_batch
+    from foundation.model.precision import CastOnce, MasterAdamW
+    from foundation.model.teacher import build_teacher
+    from gem.loop import GraphConfig, StaticStep
+
+    torch.manual_seed(0)
+    model = build_teacher(tiny_config(generative=True, sparse_tables=True), CTR_SCHEMA)
+    batch = pad_batch(make_batch(CTR_SCHEMA, [0, 1, 5, 9, 3, 2]), StaticShapes(tokens=48, rows=(8, 16), max_len=12))
+    plain = record_step(model, batch, autocast_dtype=torch.bfloat16, cast_dtype=torch.bfloat16)
+    record = record_step(model, batch, autocast_dtype=torch.bfloat16, cast_dtype=torch.bfloat16, master_adamw=True)
+    cast = CastOnce(model)
+    optimizer = MasterAdamW(model.parameters())
+    assert optimizer.defer_rows(model)
+    optimizer.keep_copies(cast)
+    step = StaticStep(model, optimizer, autocast_dtype=torch.bfloat16, config=GraphConfig(), cast_once=cast)
+    with record_launches() as real:
+        step(batch)
+        step(batch)
+    rows = {"_catch_up_kernel", "_row_sums_kernel", "_row_adamw_kernel"}
+    assert rows <= {s.name for s in real.specs}
+    assert {s for s in real.specs if s.name in rows} <= set(record.specs)
+    assert not {s for s in plain.specs if s.name in rows - {"_catch_up_kernel"}}
+    assert set(real.specs) <= set(record.specs)
+
+
 class WaitingJob:
     """Stands in for a :class:`CompileJob` whose every spec is still compiling: notes what each launch waits for."""
 
