@@ -7,6 +7,8 @@ host): a parallel strategy reduces the gradients in its own backward hooks (whic
 batch does not survive) and keeps its own mixed precision, so under ``parallel.enabled`` they are off, said
 in one line. The static step also needs a model whose lookups run apart (``look_up``, the GEM teacher) and a
 precision without a gradient scaler (``16-mixed`` scales the loss, which its gradients never see).
+``model.teacher.sparse_tables`` (the tables' rows stepped apart, :class:`~foundation.model.precision.MasterAdamW`)
+is for one device too: under ``parallel.enabled`` the tables get dense gradients again, also said in one line.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def step_options(cfg: ExperimentConfig, has_lookups: bool) -> tuple[StepOptions,
         raise ConfigError(f"train.graph_warmup={train.graph_warmup} must be 0 or more")
     sparse_tables = cfg.model.arch == "teacher" and cfg.model.teacher.sparse_tables
     if sparse_tables and cfg.parallel.enabled:
-        raise ConfigError("model.teacher.sparse_tables: one device only (parallel.enabled shards the tables)")
+        notes.append("model.teacher.sparse_tables off: parallel.enabled shards the tables (one device only); they get dense gradients")
+        sparse_tables = False
     cast_once = train.cast_once and autocast_dtype == torch.bfloat16
     precompile = train.precompile_kernels
     if cfg.parallel.enabled:

@@ -42,12 +42,13 @@ def log_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
     return (torch.log(x) / AGE_BUCKET_DIVISOR).floor().to(torch.int64).clamp(0, num_buckets - 1)
 
 
-def sparse_gradients(collection: nn.Module) -> None:
-    """Make an unsharded torchrec collection's tables give sparse gradients (``nn.Embedding(sparse=True)``: the
-    looked-up ids and their rows' gradients, no dense ``[rows, dim]`` tensor) for a lazy row optimizer."""
+def sparse_gradients(collection: nn.Module, sparse: bool = True) -> None:
+    """Make an unsharded torchrec collection's tables (or a whole model's) give sparse gradients
+    (``nn.Embedding(sparse=True)``: the looked-up ids and their rows' gradients, no dense ``[rows, dim]`` tensor)
+    for a row optimizer, or dense ones again (``sparse=False``)."""
     for module in collection.modules():
         if isinstance(module, nn.Embedding | nn.EmbeddingBag):
-            module.sparse = True
+            module.sparse = sparse
 
 
 class ItemEmbedding(nn.Module):
