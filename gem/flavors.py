@@ -199,6 +199,9 @@ TEACHER_FLAVORS: dict[str, TeacherConfig] = {
         # tells apart): the attention kernels skip the position table on the far tiles (docs/benchmarks.md).
         position_window=128,
         time_buckets=128,
+        # The item and feature tables step only the rows a batch looks up, with AdamW's result (deferred rows):
+        # the optimizer no longer reads and writes every row of them at every step.
+        sparse_tables=True,
         num_cls=4,
         num_pma_seeds=8,
         num_recent=16,

@@ -254,8 +254,10 @@ def test_the_large_teacher_takes_every_switch_and_parallel_runs_turn_them_off():
     assert large.cast_once and large.autocast_dtype == torch.bfloat16 and large.graphs.cuda_graphs and not notes
     assert large.shapes.rows == (64, 128, 256, 512) and large.shapes.tokens == 16384 and large.shapes.max_len == 4096
     parallel, notes = options("teacher-large", "parallel.enabled=true")
+    assert large.sparse_tables and not parallel.sparse_tables
     assert not parallel.cast_once and parallel.shapes is None and not parallel.graphs.cuda_graphs
-    assert notes == ["train.cast_once, train.bucket_rows, train.cuda_graphs off: parallel.enabled (single-device switches); the plain step runs"]
+    assert notes == ["model.teacher.sparse_tables off: parallel.enabled shards the tables (one device only); they get dense gradients",
+                     "train.cast_once, train.bucket_rows, train.cuda_graphs off: parallel.enabled (single-device switches); the plain step runs"]
     scaled, notes = options("teacher-large", "train.precision=16-mixed")
     assert scaled.shapes is None and not scaled.cast_once and notes[0].startswith("train.bucket_rows off: train.precision=16-mixed")
     plain, notes = options("teacher-debug")
