@@ -1,7 +1,7 @@
 """The catch-up of a lazily stepped table's missed AdamW steps (:func:`kernels.catch_up_rows`): the Triton kernel
 (in Triton's interpreter) and its reference against dense AdamW stepped with zero gradients, under a changing
-learning rate and weight decay, with repeated rows, rows already current, a schedule that starts after step 0, and
-the missed steps past the window reduced to their decay."""
+learning rate and weight decay, with repeated rows, rows already current, a schedule that starts after step 0, rows
+whose second moment makes eps count, and the missed steps past the window reduced to their decay."""
 
 from __future__ import annotations
 
@@ -66,6 +66,29 @@ def test_caught_up_rows_are_dense_adamw_with_zero_gradients(backend, dim):
         assert torch.equal(got[~named], old[~named]), f"{name}: a row not named moved"
         assert torch.equal(got[1], old[1]), f"{name}: a current row moved"
         assert not torch.equal(got[0], old[0]), f"{name}: a stale row did not move"
+
+
+@pytest.mark.parametrize("backend", ["triton", "pytorch"])
+def test_rows_whose_second_moment_is_near_eps_squared(backend):
+    """Where ``sqrt(v)`` is of the order of ``eps`` (a row whose gradients were tiny) or zero, ``eps`` weighs in every
+    missed update's denominator, and its share changes from step to step as ``v`` decays: still dense AdamW."""
+    now = 40
+    lrs = {u: 1e-2 * (1 + 0.3 * math.cos(u)) for u in range(1, now + 1)}
+    last = torch.tensor([0, 3, 17, 39], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    p = torch.randn(4, 24, generator=g)
+    root = EPS * torch.rand(4, 24, generator=g) * 4  # sqrt(v) from 0 to 4 eps
+    root[:, :4] = 0.0
+    m = root * torch.randn(4, 24, generator=g)
+    tables = [p, m, root.square()]
+    before = p.clone()
+    want = _dense(tables, last, now, lrs, weight_decay=0.1)
+    schedule, log_decay = _schedule(lrs, 0.1, 0)
+    catch_up_rows(*tables, last, torch.arange(4), torch.tensor([now, 0], dtype=torch.int32), schedule, log_decay,
+                  betas=BETAS, eps=EPS, window=64, backend=backend)
+    assert (p - before * math.exp(float(log_decay[now]))).abs().max() > 1e-3  # more than the decay moved the rows
+    for name, got, ref in zip(("param", "exp_avg", "exp_avg_sq"), tables, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7 * float(ref.abs().max()), msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["triton", "pytorch"])
