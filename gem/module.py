@@ -30,7 +30,6 @@ from foundation.data.batch import JaggedBatch
 from foundation.data.pipeline import valid_item_mask
 from foundation.data.schema import EventSchema
 from foundation.metrics import PredictionLog, RankingMetrics
-from foundation.model.embeddings import sparse_gradients
 from foundation.model.outputs import ModelOutput
 from foundation.model.padding import PaddedBatch, StaticShapes
 from foundation.model.precision import CastOnce, MasterAdamW, clip_grad_norm
@@ -82,8 +81,6 @@ class RecModule(L.LightningModule):
             )
         self._teacher_outputs: dict[str, TeacherOutputs] = {}
         self.step_options, self.step_notes = step_options(self.cfg, has_lookups=hasattr(self.model, "look_up"))
-        if self.cfg.model.arch == "teacher" and self.cfg.model.teacher.sparse_tables and not self.step_options.sparse_tables:
-            sparse_gradients(self.model, sparse=False)  # parallel.enabled (one of the step's notes)
         self.lr_schedule = build_lr_schedule(self.cfg.train, parallel=self.cfg.parallel.enabled)
         self.scheduled_lr: ScheduledLR | None = None
         # Made at the first training step that uses them (they need the optimizer, or watch a step).

@@ -129,3 +129,31 @@ def test_mesh_needs_a_process_group_of_the_resolved_size(single_rank_group):
 def test_mesh_before_build_is_a_clear_error():
     with pytest.raises(RuntimeError, match="build_mesh"):
         ParallelDims().mesh_for("dp")
+
+
+def test_sparse_tables_get_dense_gradients_under_a_parallel_plan(single_rank_group):
+    """``sparse_tables`` (on in the ``large`` flavor) is a single-device optimisation: a model built with it and
+    parallelized with its tables unsharded (FSDP over them, torch's AdamW) trains, its tables' gradients dense."""
+    from foundation.model.deferred_rows import sparse_tables
+    from foundation.model.teacher import build_teacher
+    from foundation.parallel import build_dense_optimizer, parallelize_teacher
+    from tests.teacher_batches import CTR_SCHEMA, make_batch, tiny_config
+
+    torch.manual_seed(0)
+    model = build_teacher(tiny_config(dropout=0.0, sparse_tables=True), CTR_SCHEMA)
+    assert sparse_tables(model)
+    dims = ParallelDims(world_size=1)
+    dims.build_mesh("cpu")
+    cfg = ParallelConfig(shard_embeddings=False)
+    parallelize_teacher(model, dims, cfg)
+    assert not sparse_tables(model)
+    optimizer = build_dense_optimizer(model, cfg)
+    batch = make_batch(CTR_SCHEMA, [0, 3, 5, 2])
+    losses = []
+    for _ in range(3):
+        loss = model.loss(batch, model(batch))["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]

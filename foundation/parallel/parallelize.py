@@ -2,6 +2,9 @@
 
 Order, and why:
 
+0. **Dense table gradients**: a model built with ``sparse_tables`` (the ``large`` flavor) has tables whose
+   gradients are sparse, for :class:`~foundation.model.precision.MasterAdamW`'s rows on one device; neither FSDP
+   nor the dense AdamW takes them, so every table gives dense gradients again.
 1. **Embeddings** (torchrec): attach the fused sparse optimizer, plan, and swap each EBC/EC for its
    sharded variant. First, because FSDP must be told to ignore the table parameters, and the
    sharded modules own them only after this step.
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.types import ShardedModule, ShardingPlan
 
+from foundation.model.embeddings import sparse_gradients
 from foundation.parallel.activation import apply_activation_checkpointing
 from foundation.parallel.compile import apply_compile
 from foundation.parallel.context import CP_ATTENTION, apply_context_parallel
@@ -131,6 +135,7 @@ def parallelize_teacher(
     """
     check_supported(dims, cfg)
     device = device or torch.device("cpu")
+    sparse_gradients(model, sparse=False)
     plan = None
     if cfg.shard_embeddings:
         plan = apply_embedding_sharding(model, cfg.embeddings, dist.group.WORLD, device)
