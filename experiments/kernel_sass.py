@@ -138,6 +138,7 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
                       HAS_TB=bias != "none", POS_FITS=bias != "none" and full_table, FAST=True, PTX=True, DQK=128,
                       DV=128, BLOCK_DQK=128, BLOCK_DV=128, **config.kwargs)
     constexprs["SPLIT"] = split and bias != "none"
+    constexprs["COMPACT"] = False
     if kernel == "dkdv":
         constexprs.update(TILE_KB=TILE_Q_GPU, TILE_QT=TILE_K_GPU)
     else:

@@ -26,6 +26,9 @@ field               environment variable          meaning
 ``time_tiles``      ``GEM_KERNELS_TIME_TILES``    the attention's time buckets planned once per batch and
                                                   split per row (:mod:`kernels.triton.time_tiles`);
                                                   off: every score takes its own (``0``/``1``)
+``compact_grid``    ``GEM_KERNELS_COMPACT_GRID``  the attention's programs only for row blocks that hold
+                                                  rows (:mod:`kernels.triton.work_list`); off: one per
+                                                  block of the longest sequence, per sequence (``0``/``1``)
 ==================  ============================  =====================================================
 """
 
@@ -44,6 +47,7 @@ ENVIRONMENT = {
     "fast_sigmoid": "GEM_KERNELS_FAST_SIGMOID",
     "glue_backend": "GEM_GLUE_BACKEND",
     "time_tiles": "GEM_KERNELS_TIME_TILES",
+    "compact_grid": "GEM_KERNELS_COMPACT_GRID",
 }
 _FLAGS = {"0": False, "1": True}
 
@@ -59,6 +63,7 @@ class KernelSettings:
     fast_sigmoid: bool = True
     glue_backend: str = "auto"
     time_tiles: bool = True
+    compact_grid: bool = True
 
     def __post_init__(self) -> None:
         for field in ("backend", "glue_backend"):
@@ -144,6 +149,11 @@ def time_tiles() -> bool:
     return _flag("time_tiles", _applied.time_tiles)
 
 
+def compact_grid() -> bool:
+    """The effective ``compact_grid`` switch."""
+    return _flag("compact_grid", _applied.compact_grid)
+
+
 def effective_kernel_settings() -> KernelSettings:
     """The switches the kernels use now: the applied settings with the environment's overrides."""
     return KernelSettings(
@@ -154,6 +164,7 @@ def effective_kernel_settings() -> KernelSettings:
         fast_sigmoid=fast_sigmoid(),
         glue_backend=glue_backend(),
         time_tiles=time_tiles(),
+        compact_grid=compact_grid(),
     )
 
 

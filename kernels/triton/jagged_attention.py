@@ -81,6 +81,7 @@ from kernels.triton.time_tiles import (
     split_rows,
     split_time_bias,
 )
+from kernels.triton.work_list import build_work_list, compact_programs
 
 _ACT_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -276,7 +277,7 @@ def _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS: tl.constexpr):
 
 
 @triton.jit
-def _program(ORDER, ROWS, H, BLOCK: tl.constexpr, DESCENDING: tl.constexpr):
+def _program(ORDER, ROWS, H, BLOCK: tl.constexpr, DESCENDING: tl.constexpr, COMPACT: tl.constexpr):
     """This program's (sequence, head, row block) on the 1-D grid ``B * H * cdiv(ROWS, BLOCK)``.
 
     A (sequence, head)'s row blocks are consecutive programs, so the blocks that run together
@@ -284,9 +285,14 @@ def _program(ORDER, ROWS, H, BLOCK: tl.constexpr, DESCENDING: tl.constexpr):
     than with the blocks of every head and sequence interleaved. Sequences come in ``ORDER``,
     most pairs first, and a sequence's blocks ``DESCENDING`` (causal query blocks: the last one
     sees the most keys) or ascending (causal key blocks: the first one is seen by most queries),
-    so the longest work starts first and the short work fills the tail.
+    so the longest work starts first and the short work fills the tail. ``COMPACT``: the grid holds
+    only the blocks with rows, in that order, and ``ORDER`` is its work list
+    (:func:`kernels.triton.work_list.build_work_list`: ``(sequence * H + head, block)`` per program).
     """
     pid = tl.program_id(0)
+    if COMPACT:
+        sequence_head = tl.load(ORDER + 2 * pid)
+        return pid, sequence_head // H, sequence_head % H, tl.load(ORDER + 2 * pid + 1)
     blocks = tl.cdiv(ROWS, BLOCK)
     rank = pid // blocks
     block = pid % blocks
@@ -330,9 +336,9 @@ def _fwd_kernel(
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr, TILE_Q: tl.constexpr,
-    TILE_K: tl.constexpr,
+    TILE_K: tl.constexpr, COMPACT: tl.constexpr,
 ):
-    _, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
+    _, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True, COMPACT)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     m_start = pid_m * BLOCK_M
     if m_start >= q_len:
@@ -542,9 +548,9 @@ def _bwd_dq_kernel(
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_T: tl.constexpr,
-    SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr,
+    SPLIT: tl.constexpr, TILE_Q: tl.constexpr, TILE_K: tl.constexpr, COMPACT: tl.constexpr,
 ):
-    pid, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True)
+    pid, b, h, pid_m = _program(ORDER, ROWS, H, BLOCK_M, True, COMPACT)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     m_start = pid_m * BLOCK_M
     if m_start >= q_len:
@@ -722,9 +728,9 @@ def _bwd_dkdv_kernel(
     HAS_PB: tl.constexpr, HAS_TB: tl.constexpr, POS_FITS: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, TILE_KB: tl.constexpr,
-    TILE_QT: tl.constexpr,
+    TILE_QT: tl.constexpr, COMPACT: tl.constexpr,
 ):
-    _, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False)
+    _, b, h, pid_n = _program(ORDER, ROWS, H, BLOCK_N, False, COMPACT)
     q_start, q_len, kv_start, kv_len, n_hist = _seq_info(Q_OFF, KV_OFF, NT, b, HAS_TARGETS)
     n_start = pid_n * BLOCK_N
     if n_start >= kv_len:
@@ -1020,10 +1026,24 @@ def _launch_config(tuned, plain, cpu_blocks, kwargs, x, on_cuda) -> dict | None:
     return config.all_kwargs()
 
 
-def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
+@dataclass(frozen=True)
+class _Work:
+    """A launch's compact grid (:mod:`kernels.triton.work_list`): the launch order it replaces among the
+    arguments, the offsets ``[B+1]`` of the rows its blocks split, their total, and the blocks' direction."""
+
+    order: torch.Tensor
+    offsets: torch.Tensor
+    total_rows: int
+    heads: int
+    descending: bool
+    name: str
+
+
+def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda, work=None):
     """A 1-D grid of ``B * H * cdiv(grid_rows, block)`` programs (:func:`_program`), where
-    ``block_key`` names the tile that splits the rows; the config as :func:`_launch_config` says."""
-    kwargs = {**kwargs, "ROWS": grid_rows}
+    ``block_key`` names the tile that splits the rows; the config as :func:`_launch_config` says. With
+    ``work`` (a :class:`_Work`) and a known config, the compact grid where it has fewer programs."""
+    kwargs = {**kwargs, "ROWS": grid_rows, "COMPACT": False}
     config = _launch_config(tuned, plain, cpu_blocks, kwargs, args[0], on_cuda)
     if config is None:
         if recording():
@@ -1038,7 +1058,17 @@ def _launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, k
         pick = _pick_key(plain, args[0].dtype, True, tuned, kwargs)
         _PICKS[pick] = TUNED[entry_key(plain.__name__, args[0].dtype, tuned.keys, kwargs)] = tuned.best_config
         return
-    plain[(batch_heads * triton.cdiv(grid_rows, config[block_key]),)](*args, **kwargs, **config)
+    block = config[block_key]
+    programs = batch_heads * triton.cdiv(grid_rows, block)
+    per_head = None
+    if work is not None and settings.compact_grid():
+        per_head = compact_programs(work.total_rows, batch_heads // work.heads, grid_rows, block)
+    if per_head is not None:
+        table = build_work_list(work.offsets, work.order, work.heads, block, per_head, work.descending, work.name)
+        args = tuple(table if arg is work.order else arg for arg in args)
+        kwargs["COMPACT"] = True
+        programs = work.heads * per_head
+    plain[(programs,)](*args, **kwargs, **config)
 
 
 def _longest_first(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
@@ -1165,7 +1195,8 @@ class _JaggedAttentionFn(torch.autograd.Function):
                     out.stride(0), out.stride(1), lse.stride(0))
             tma = _use_tma(q, k, v)
             _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
-                    {**scalars, **meta, **split, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda)
+                    {**scalars, **meta, **split, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda,
+                    _Work(order, q_offsets, q.shape[0], heads, True, "work_fwd"))
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias)
         ctx.call = call
         return out
@@ -1204,15 +1235,18 @@ class _JaggedAttentionFn(torch.autograd.Function):
             dq_args = (q, k, v, dout, dq, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, dpb_t, dtb_t,
                        *tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0))
+            # Deterministic table gradients are stored per program of the full grid (kernels/triton/bias_rows.py).
+            dq_work = None if dq_kwargs["DETERMINISTIC"] else _Work(order, q_offsets, q.shape[0], heads, True, "work_dq")
             _launch(_dq_tuned, _bwd_dq_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, dq_args,
-                    {**dq_kwargs, **tables, **split, "L_Q": q.shape[0]}, q.is_cuda)
+                    {**dq_kwargs, **tables, **split, "L_Q": q.shape[0]}, q.is_cuda, dq_work)
             tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, keys_on_rows=True)
             dkdv_args = (q, k, v, dout, dk, dv, lse, delta, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                          lse.stride(0))
             _launch(_dkdv_tuned, _bwd_dkdv_kernel, _CPU_DKDV, "BLOCK_N", call.max_kv_len, batch * heads, dkdv_args,
-                    {**scalars, **meta, **split, "L_K": k.shape[0]}, q.is_cuda)
+                    {**scalars, **meta, **split, "L_K": k.shape[0]}, q.is_cuda,
+                    _Work(order, kv_offsets, k.shape[0], heads, False, "work_dkdv"))
         # The kernels sum raw dS into the tables; the pointwise 1/N is applied here, once per entry.
         table_scale = 1.0 if call.act == "softmax" else scalars["inv_n"]
         dpb, dtb = table_grads(table_scale)
