@@ -56,9 +56,9 @@ def _gpu_path_launches(monkeypatch):
     real = triton_backend._launch
     taken = []
 
-    def launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
+    def launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda, work=None):
         before = dict(triton_backend._PICKS)
-        real(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, True)
+        real(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, True, work)
         taken.extend(c.kwargs for k, c in triton_backend._PICKS.items() if k not in before)
 
     monkeypatch.setattr(triton_backend, "_launch", launch)

@@ -479,9 +479,9 @@ def test_autotuner_resets_never_touch_an_earlier_pass_output(activation, monkeyp
     launches = []
     real_launch = triton_backend._launch
 
-    def recording_launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
+    def recording_launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda, work=None):
         launches.append((tuned, dict(zip(plain.arg_names, args, strict=False))))
-        real_launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda)
+        real_launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda, work)
 
     monkeypatch.setattr(triton_backend, "_launch", recording_launch)
     lengths = [37, 1, 20]

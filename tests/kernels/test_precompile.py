@@ -414,8 +414,8 @@ def test_an_autotuned_launch_records_every_config_and_remembers_no_pick(monkeypa
 
     launch = attention._launch
 
-    def as_on_cuda(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda):
-        launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, True)
+    def as_on_cuda(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, on_cuda, work=None):
+        launch(tuned, plain, cpu_blocks, block_key, grid_rows, batch_heads, args, kwargs, True, work)
 
     monkeypatch.setattr(attention, "_launch", as_on_cuda)
     monkeypatch.setattr(attention, "checked_in_pick", lambda device, entry: None)
