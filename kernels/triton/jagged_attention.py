@@ -4,7 +4,8 @@ One program owns one (sequence, head, row block). The grid is one-dimensional: a
 head)'s row blocks are consecutive programs, so they share that sequence's tiles in L2, and the
 sequences come most pairs first (:func:`_program`). Programs past the end of their sequence
 return at once, and the costliest causal blocks of each sequence start first, so short sequences
-fill the gaps that the long ones leave. Key tiles that no mask can
+fill the gaps that the long ones leave. Where most blocks of that grid would hold no rows (heavy-tailed or
+padded batches), the grid holds only those that do (:mod:`kernels.triton.work_list`). Key tiles that no mask can
 touch (inside the causal triangle, inside the history, inside the sequence) run a mask-free
 loop; only the boundary tiles evaluate the mask, so masking costs a few tiles per block. With a
 position table shorter than the sequences (the teacher's ``position_window``), the mask-free tiles
