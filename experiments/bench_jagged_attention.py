@@ -19,6 +19,8 @@ variant's first call, autotuned or not), then ``--repeats`` rounds of ``do_bench
 biased/unbiased time ratios. ``--write-tuned PATH`` writes the checked-in table
 ``kernels/triton/tuned_configs.json`` plus the run's autotuner picks to PATH (autotuning on).
 ``--dtype fp32`` checks and times float32 inputs instead of bf16 (their own tiles, ``kernels/triton/configs.py``).
+``--pma`` times the ``large`` teacher's PMA cross-attention (8 seeds per row over heavy-tailed histories of at most
+``--teacher-n`` events, ``--pma-tokens`` in all; H=8, D=128) on key chunks against one program per (row, head).
 ``--device cpu`` runs the same on tiny shapes under ``TRITON_INTERPRET=1`` (a dry run of the
 script, not a measurement).
 
@@ -632,6 +634,92 @@ def bench_teacher(ns: list[int], kinds: list[str], tokens: int, repeats: int, re
     return checks, rows
 
 
+# The ``large`` teacher's PMA: 8 learned seeds per row attend (softmax) to the row's history, 8 heads of 128.
+PMA = dict(heads=8, dim=128, seeds=8)
+
+
+def pma_lengths(tokens: int, n: int, gen: torch.Generator) -> list[int]:
+    """Heavy-tailed histories (:func:`make_lengths`) of at most ``n`` events until they hold ``tokens``."""
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths += make_lengths("heavy", 64, n, gen)
+    total, out = 0, []
+    for length in lengths:
+        out.append(min(length, tokens - total))
+        total += out[-1]
+        if total == tokens:
+            return out
+    return out
+
+
+def bench_pma(ns: list[int], tokens: int, repeats: int, rep: int) -> tuple[list, list]:
+    """The PMA's cross-attention, key chunks (``GEM_KERNELS_SPLIT_KEYS=1``) against one program per (row, head),
+    alternating in ``repeats`` rounds: bf16 checks against the float32 reference, then forward and forward+backward
+    medians."""
+    gen = torch.Generator().manual_seed(7)
+    dgen = torch.Generator(DEVICE).manual_seed(7)
+    checks, rows = [], []
+    for n in ns:
+        case_checks, row = pma_case(pma_lengths(tokens, n, gen), n, repeats, rep, dgen)
+        checks += case_checks
+        rows.append(row)
+        print(fmt_pma(row), flush=True)
+    os.environ.pop("GEM_KERNELS_SPLIT_KEYS", None)
+    return checks, rows
+
+
+def pma_case(kv_lens: list[int], n: int, repeats: int, rep: int, dgen: torch.Generator) -> tuple[list, dict]:
+    heads, dim, seeds = PMA["heads"], PMA["dim"], PMA["seeds"]
+    q_lens = [seeds] * len(kv_lens)
+    q, _, _ = leaves(sum(q_lens), heads, dim, dim, dgen)
+    _, k, v = leaves(sum(kv_lens), heads, dim, dim, dgen)
+    args = (offsets_of(q_lens), offsets_of(kv_lens), seeds, max(kv_lens))
+
+    def attend():
+        return tri_cross_attention(q, k, v, *args)
+
+    want = fwd_bwd(lambda: ref_cross_attention(q.float(), k.float(), v.float(), *args), [q, k, v], 3)
+    checks = []
+    for split in ("0", "1"):
+        os.environ["GEM_KERNELS_SPLIT_KEYS"] = split
+        got = fwd_bwd(attend, [q, k, v], 3)
+        checks.append({"case": f"pma N={n} split={split}", "finite": all(bool(x.isfinite().all()) for x in got),
+                       "errors": {name: rel_err(a, b)
+                                  for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)}})
+        print(fmt_check(checks[-1]), flush=True)
+    upstream = torch.randn(sum(q_lens), heads, dim, device=DEVICE, generator=dgen).to(DTYPE)
+    step = functools.partial(_forward_backward, attend, upstream)
+    times = {split: {"fwd": [], "fwdbwd": []} for split in ("0", "1")}
+    for _ in range(repeats):
+        for split in ("0", "1"):
+            os.environ["GEM_KERNELS_SPLIT_KEYS"] = split
+            with torch.no_grad():
+                times[split]["fwd"].append(median_ms(attend, rep=rep))
+            times[split]["fwdbwd"].append(median_ms(step, grad_to_none=[q, k, v], rep=rep))
+    row = {"op": "pma", "N": n, "rows": len(kv_lens), "tokens": sum(kv_lens), "longest": max(kv_lens), "H": heads,
+           "D": dim, "seeds": seeds}
+    for split, name in (("0", "unsplit"), ("1", "split")):
+        for mode, values in times[split].items():
+            row[f"{name}_{mode}_ms"] = statistics.median(values)
+            row[f"{name}_{mode}_runs"] = values
+    return checks, row
+
+
+def fmt_pma(r: dict) -> str:
+    return (f"pma N={r['N']} rows={r['rows']} longest={r['longest']}: fwd {r['unsplit_fwd_ms']:.4f} -> "
+            f"{r['split_fwd_ms']:.4f} ms, fwd+bwd {r['unsplit_fwdbwd_ms']:.4f} -> {r['split_fwdbwd_ms']:.4f} ms "
+            f"(unsplit -> split, medians of {len(r['split_fwd_runs'])})")
+
+
+def main_pma(args, meta: dict) -> int:
+    print(json.dumps(meta), flush=True)
+    checks, rows = bench_pma(args.teacher_n, args.pma_tokens, args.repeats, args.rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
+    return 0
+
+
 def fmt_check(c: dict) -> str:
     errs = " ".join(f"{k}={v:.1e}" for k, v in c["errors"].items())
     rerun = f" rerun={c['rerun_max_diff']:.1e}" if "rerun_max_diff" in c else ""
@@ -668,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=12, help="processes for checks and compiles")
     parser.add_argument("--json", type=str, default=None, help="write every row here")
     parser.add_argument("--teacher", action="store_true", help="the large teacher's attention, biased vs unbiased")
+    parser.add_argument("--pma", action="store_true",
+                        help="the large teacher's PMA cross-attention, on key chunks against unsplit (--teacher-n)")
+    parser.add_argument("--pma-tokens", type=int, default=16384, help="history tokens per PMA batch")
     parser.add_argument("--teacher-n", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--teacher-lengths", nargs="+", default=["full", "heavy"])
     parser.add_argument("--teacher-tokens", type=int, default=65536, help="tokens per teacher batch (B = tokens / N)")
@@ -708,8 +799,10 @@ def main(argv: list[str] | None = None) -> int:
             "autotune": os.environ.get("GEM_KERNELS_AUTOTUNE", "default"), "dtype": str(DTYPE).removeprefix("torch.")}
     if args.teacher:
         return main_teacher(args, meta)
+    if args.pma:
+        return main_pma(args, meta)
     if DEVICE == "cpu":
-        print("only --teacher has a CPU dry run", file=sys.stderr)
+        print("only --teacher and --pma have a CPU dry run", file=sys.stderr)
         return 2
     meta.update(ceilings())
     print(json.dumps(meta), flush=True)

@@ -29,6 +29,9 @@ field               environment variable          meaning
 ``compact_grid``    ``GEM_KERNELS_COMPACT_GRID``  the attention's programs only for row blocks that hold
                                                   rows (:mod:`kernels.triton.work_list`); off: one per
                                                   block of the longest sequence, per sequence (``0``/``1``)
+``split_keys``      ``GEM_KERNELS_SPLIT_KEYS``    softmax cross-attention of a few queries over long key
+                                                  rows on key chunks (:mod:`kernels.triton.split_keys`);
+                                                  off: one program per (sequence, head) (``0``/``1``)
 ==================  ============================  =====================================================
 """
 
@@ -48,6 +51,7 @@ ENVIRONMENT = {
     "glue_backend": "GEM_GLUE_BACKEND",
     "time_tiles": "GEM_KERNELS_TIME_TILES",
     "compact_grid": "GEM_KERNELS_COMPACT_GRID",
+    "split_keys": "GEM_KERNELS_SPLIT_KEYS",
 }
 _FLAGS = {"0": False, "1": True}
 
@@ -64,6 +68,7 @@ class KernelSettings:
     glue_backend: str = "auto"
     time_tiles: bool = True
     compact_grid: bool = True
+    split_keys: bool = True
 
     def __post_init__(self) -> None:
         for field in ("backend", "glue_backend"):
@@ -154,6 +159,11 @@ def compact_grid() -> bool:
     return _flag("compact_grid", _applied.compact_grid)
 
 
+def split_keys() -> bool:
+    """The effective ``split_keys`` switch."""
+    return _flag("split_keys", _applied.split_keys)
+
+
 def effective_kernel_settings() -> KernelSettings:
     """The switches the kernels use now: the applied settings with the environment's overrides."""
     return KernelSettings(
@@ -165,6 +175,7 @@ def effective_kernel_settings() -> KernelSettings:
         glue_backend=glue_backend(),
         time_tiles=time_tiles(),
         compact_grid=compact_grid(),
+        split_keys=split_keys(),
     )
 
 

@@ -47,6 +47,7 @@ from kernels import settings
 from kernels.glue import pair_halves
 from kernels.precompile import recording
 from kernels.spec import AttentionSpec
+from kernels.triton import split_keys
 from kernels.triton.bias import (
     add_bias,
     add_bias_rows,
@@ -859,6 +860,8 @@ class _KernelCall:
     max_q_len: int
     max_kv_len: int
     batch: int
+    # Cross-attention whose forward and backward run on key chunks (:mod:`kernels.triton.split_keys`).
+    split_keys: bool = False
 
     @classmethod
     def of_self_attention(cls, spec: AttentionSpec, q: torch.Tensor, offsets: torch.Tensor, max_len: int):
@@ -1194,10 +1197,14 @@ class _JaggedAttentionFn(torch.autograd.Function):
             args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
-            tma = _use_tma(q, k, v)
-            _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
-                    {**scalars, **meta, **split, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda,
-                    _Work(order, q_offsets, q.shape[0], heads, True, "work_fwd"))
+            if call.split_keys:
+                split_keys.chunked_forward(q, k, v, out, lse, q_offsets, kv_offsets, call.alpha,
+                                           (meta["BLOCK_DQK"], meta["BLOCK_DV"]))
+            else:
+                tma = _use_tma(q, k, v)
+                _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
+                        {**scalars, **meta, **split, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda,
+                        _Work(order, q_offsets, q.shape[0], heads, True, "work_fwd"))
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias)
         ctx.call = call
         return out
@@ -1229,6 +1236,9 @@ class _JaggedAttentionFn(torch.autograd.Function):
             dq.zero_()
             dk.zero_()
             dv.zero_()
+        elif call.split_keys:
+            split_keys.chunked_backward(q, k, v, dout, dq, dk, dv, lse, delta, q_offsets, kv_offsets, call.alpha,
+                                        (meta["BLOCK_DQK"], meta["BLOCK_DV"]))
         else:
             # The dQ pass's autotuner zeroes the table-gradient accumulators around each trial; they are
             # written by that pass only, so no earlier output is among them.
@@ -1311,6 +1321,7 @@ def jagged_cross_attention(
         act=activation, causal=False, alpha=spec.scale(q.shape[-1]), inv_n=1.0 / spec.pointwise_divisor(max_kv_len),
         window=None, num_targets=None, timestamps=None, query_timestamps=None, max_q_len=max_q_len,
         max_kv_len=max_kv_len, batch=q_offsets.numel() - 1,
+        split_keys=settings.split_keys() and split_keys.applies(activation, max_q_len, max_kv_len, q),
     )
     return _JaggedAttentionFn.apply(
         q, k, v, None, None, q_offsets.to(torch.int64).contiguous(), kv_offsets.to(torch.int64).contiguous(), call
