@@ -78,12 +78,17 @@ def _chunks(kv_offsets: torch.Tensor, chunk: int, slots: int) -> tuple[torch.Ten
 
 
 @triton.jit
-def _chunk_of(BASE, OWNER, B):
-    """This program's (chunk, head, sequence, first key of the chunk in the sequence); sequence ``B`` past the
-    batch's chunks."""
+def _chunk_of(BASE, OWNER, Q_OFF, KV_OFF, B):
+    """This program's (chunk ``g``, head, sequence ``b``, the chunk's index in the sequence) and the sequence's
+    query start, query count, key start and key count; ``b = B`` past the batch's chunks (the program returns)."""
     g = tl.program_id(0)
     b = tl.load(OWNER + g)
-    return g, tl.program_id(1), b, g - tl.load(BASE + tl.minimum(b, B))
+    seq = tl.minimum(b, B - 1)
+    q_start = tl.load(Q_OFF + seq)
+    kv_start = tl.load(KV_OFF + seq)
+    return (g, tl.program_id(1), b, g - tl.load(BASE + seq), q_start,
+            (tl.load(Q_OFF + seq + 1) - q_start).to(tl.int32), kv_start,
+            (tl.load(KV_OFF + seq + 1) - kv_start).to(tl.int32))
 
 
 @triton.jit
@@ -101,14 +106,10 @@ def _chunk_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One (chunk, head): ``PART_O[g, h, :q_len]`` and ``PART_LSE[g, h, :q_len]`` over the chunk's keys."""
-    g, h, b, first = _chunk_of(BASE, OWNER, B)
+    g, h, b, first, q_start, q_len, kv_start, kv_len = _chunk_of(BASE, OWNER, Q_OFF, KV_OFF, B)
     if b >= B:
         return
     H = tl.num_programs(1)
-    q_start = tl.load(Q_OFF + b)
-    q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(KV_OFF + b)
-    kv_len = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
     offs_m = tl.arange(0, BLOCK_M)
     q_ok = offs_m < q_len
     q = _load_rows(Q + q_start * stride_qm + h * stride_qh, stride_qm, offs_m, q_ok, DQK, BLOCK_DQK)
@@ -184,14 +185,10 @@ def _chunk_bwd_kernel(
 ):
     """One (chunk, head): the chunk's rows of ``DK`` and ``DV`` (every query of the sequence is in the tile), and
     ``PART_DQ[g, h, :q_len] = sum over the chunk's keys of dS k`` (unscaled): one pass over the keys and values."""
-    g, h, b, first = _chunk_of(BASE, OWNER, B)
+    g, h, b, first, q_start, q_len, kv_start, kv_len = _chunk_of(BASE, OWNER, Q_OFF, KV_OFF, B)
     if b >= B:
         return
     H = tl.num_programs(1)
-    q_start = tl.load(Q_OFF + b)
-    q_len = (tl.load(Q_OFF + b + 1) - q_start).to(tl.int32)
-    kv_start = tl.load(KV_OFF + b)
-    kv_len = (tl.load(KV_OFF + b + 1) - kv_start).to(tl.int32)
     offs_m = tl.arange(0, BLOCK_M)
     q_ok = offs_m < q_len
     q = _load_rows(Q + q_start * stride_qm + h * stride_qh, stride_qm, offs_m, q_ok, DQK, BLOCK_DQK)
