@@ -1192,19 +1192,18 @@ class _JaggedAttentionFn(torch.autograd.Function):
         lse = torch.empty(heads, q.shape[0], device=q.device, dtype=torch.float32)
         pb, tb, nt, ts, meta, scalars = _common_args(q, k, v, pos_bias, time_bias, call)
         order = _longest_first(q_offsets, kv_offsets)
-        if batch * heads > 0 and call.max_q_len > 0:
+        if batch * heads > 0 and call.max_q_len > 0 and call.split_keys:
+            split_keys.chunked_forward(q, k, v, out, lse, q_offsets, kv_offsets, call.alpha,
+                                       (meta["BLOCK_DQK"], meta["BLOCK_DV"]))
+        elif batch * heads > 0 and call.max_q_len > 0:
             tiles, split = _time_tiles_args(q, time_bias, q_offsets, kv_offsets, call, keys_on_rows=False)
             args = (q, k, v, out, lse, q_offsets, kv_offsets, order, nt, *ts, pb, tb, *tiles,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     out.stride(0), out.stride(1), lse.stride(0))
-            if call.split_keys:
-                split_keys.chunked_forward(q, k, v, out, lse, q_offsets, kv_offsets, call.alpha,
-                                           (meta["BLOCK_DQK"], meta["BLOCK_DV"]))
-            else:
-                tma = _use_tma(q, k, v)
-                _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
-                        {**scalars, **meta, **split, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda,
-                        _Work(order, q_offsets, q.shape[0], heads, True, "work_fwd"))
+            tma = _use_tma(q, k, v)
+            _launch(_fwd_tuned, _fwd_kernel, _CPU_FWD, "BLOCK_M", call.max_q_len, batch * heads, args,
+                    {**scalars, **meta, **split, "L_Q": q.shape[0], "L_KV": k.shape[0], "TMA": tma}, q.is_cuda,
+                    _Work(order, q_offsets, q.shape[0], heads, True, "work_fwd"))
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, order, pos_bias, time_bias)
         ctx.call = call
         return out
