@@ -27,6 +27,7 @@ import torch
 from kernels import settings
 from kernels.checks import check_offsets, check_qkv, check_values
 from kernels.glue import (
+    SiluGate,
     catch_up_rows,
     draw_dropout_mask,
     jagged_silu_modulate,
@@ -45,6 +46,7 @@ from kernels.spec import AttentionSpec
 __all__ = [
     "ACTIVATIONS",
     "AttentionSpec",
+    "SiluGate",
     "catch_up_rows",
     "check_values",
     "draw_dropout_mask",

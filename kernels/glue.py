@@ -14,6 +14,7 @@ loss comparison (``experiments/bench_teacher.py --glue-backend pytorch``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,62 @@ from kernels import settings
 
 def _resolve(backend: str, x: torch.Tensor) -> str:
     return settings.resolve_backend(backend, settings.glue_backend(), x.is_cuda)
+
+
+class GateGrad:
+    """The input gradient ``[L, N]`` of a projection whose first ``width`` columns a :class:`SiluGate` hands on
+    un-activated: allocated by the first backward that asks for the gate's columns (the gated norm's, which runs
+    first), then taken by :func:`silu_split`'s backward, which writes the other columns. The gate's gradient is so
+    written once, where the projection's backward reads it, instead of into a tensor of its own and copied there."""
+
+    def __init__(self, like: torch.Tensor, width: int) -> None:
+        self.shape, self.dtype, self.device, self.width = like.shape, like.dtype, like.device, width
+        self.buffer: torch.Tensor | None = None
+        self.handed_out = False
+
+    def gate_columns(self) -> torch.Tensor | None:
+        """``[L, width]``: the buffer's gate columns, to write the gate's gradient into; None after the first call (a
+        second consumer of the gate writes a gradient of its own, which autograd adds to the first)."""
+        if self.handed_out:
+            return None
+        self.handed_out = True
+        self.buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.buffer[:, : self.width]
+
+    def take(self) -> torch.Tensor | None:
+        """The buffer, if a consumer asked for its gate columns; the reference is dropped."""
+        buffer, self.buffer = self.buffer, None
+        return buffer
+
+    def holds(self, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is the gate columns of ``buffer`` (as handed out, so already in place)."""
+        return (
+            grad is not None and self.buffer is not None and grad.data_ptr() == self.buffer.data_ptr()
+            and grad.shape == (self.shape[0], self.width) and grad.stride() == self.buffer.stride()
+        )
+
+
+@dataclass(frozen=True)
+class SiluGate:
+    """A gate ``silu(pre + bias)`` not yet computed: the first part of :func:`silu_split` with ``gate_first``, for
+    :func:`layer_norm` to activate as it reads it (no pass of the split writes the gate, no pass reads it back, and
+    the norm's backward writes the pre-activation's gradient straight into the projection's, ``grad``).
+
+    Attributes:
+        pre: ``[L, W]`` the projection's gate columns (a view of it), before the bias.
+        bias: ``[W]`` the projection's bias over those columns, or None.
+        grad: where the Triton norm writes ``pre``'s gradient, or None (a gradient of its own).
+    """
+
+    pre: torch.Tensor
+    bias: torch.Tensor | None = None
+    grad: GateGrad | None = None
+
+    def value(self) -> torch.Tensor:
+        """The gate, ``silu(pre + bias)``, in float32 (the reference's; the Triton norm computes it as it reads)."""
+        with torch.autocast(self.pre.device.type, enabled=False):
+            pre = self.pre.float() if self.bias is None else self.pre.float() + self.bias.float()
+            return torch.nn.functional.silu(pre)
 
 
 def _check_dropout(mask: torch.Tensor | None, p: float, shape: torch.Size, device: torch.device) -> None:
@@ -64,6 +121,20 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out_d
         raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
 
 
+def _check_gate(gate: torch.Tensor | SiluGate, x: torch.Tensor) -> None:
+    """A floating gate of x's shape on its device: a tensor, or a :class:`SiluGate`'s ``pre`` (with a ``bias``
+    ``[N]`` or none)."""
+    pre = gate.pre if isinstance(gate, SiluGate) else gate
+    name = "gate.pre" if isinstance(gate, SiluGate) else "gate"
+    _check_float(name, pre, x.device)
+    if pre.shape != x.shape:
+        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(pre.shape)}")
+    if isinstance(gate, SiluGate) and gate.bias is not None:
+        _check_float("gate.bias", gate.bias, x.device)
+        if gate.bias.shape != x.shape[-1:]:
+            raise ValueError(f"gate.bias must be [N]=[{x.shape[-1]}], got {tuple(gate.bias.shape)}")
+
+
 def _norm_impl(name: str, backend: str, x: torch.Tensor):
     """The LayerNorm function ``name`` of the backend that runs ``x`` (the Triton one takes ``N <= MAX_N``)."""
     if _resolve(backend, x) == "triton":
@@ -84,7 +155,7 @@ def layer_norm(
     eps: float,
     *,
     scale: float = 1.0,
-    gate: torch.Tensor | None = None,
+    gate: torch.Tensor | SiluGate | None = None,
     out_dtype: torch.dtype | None = None,
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
@@ -100,21 +171,21 @@ def layer_norm(
         weight, bias: ``[N]`` (an ``nn.LayerNorm``'s parameters).
         eps: the LayerNorm epsilon.
         scale: multiplies ``x`` before the normalisation (folded into the kernel's load).
-        gate: ``[..., N]``, x's shape, multiplying the normalised output; or None.
-        out_dtype: the result's dtype; None: x's dtype promoted with gate's.
+        gate: ``[..., N]``, x's shape, multiplying the normalised output; or a :class:`SiluGate` whose ``pre`` has
+            x's shape (activated in float32 as it is read); or None.
+        out_dtype: the result's dtype; None: x's dtype promoted with gate's (``pre``'s).
         dropout_mask: ``[..., N]`` bool (x's shape): the elements kept, scaled by ``1 / (1 - dropout_p)``
             (:func:`draw_dropout_mask`); None: no dropout (``dropout_p`` 0).
         dropout_p: the dropout probability the mask was drawn with.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
-        x's shape in ``out_dtype``; differentiable in x, weight, bias and gate.
+        x's shape in ``out_dtype``; differentiable in x, weight, bias and gate (a :class:`SiluGate`'s ``pre`` and
+        ``bias``).
     """
     _check_norm(x, weight, bias, out_dtype)
     if gate is not None:
-        _check_float("gate", gate, x.device)
-        if gate.shape != x.shape:
-            raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+        _check_gate(gate, x)
     _check_dropout(dropout_mask, dropout_p, x.shape, x.device)
     impl = _norm_impl("layer_norm", backend, x)
     return impl(
@@ -247,8 +318,9 @@ def jagged_silu_modulate(
 
 
 def silu_split(
-    h: torch.Tensor, widths: Sequence[int], *, bias: torch.Tensor | None = None, backend: str = "auto"
-) -> tuple[torch.Tensor, ...]:
+    h: torch.Tensor, widths: Sequence[int], *, bias: torch.Tensor | None = None, gate_first: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor | SiluGate, ...]:
     """``silu(h + bias)`` split along the last axis into parts of ``widths`` (the HSTU block's ``u, v, q, k``).
 
     The Triton backward reads each part's gradient where its consumer left it and writes ``dh`` once, where
@@ -261,10 +333,14 @@ def silu_split(
         widths: positive part widths summing to ``N``.
         bias: ``[N]`` added before the SiLU (float32 inside the Triton kernels; in h's dtype in the reference),
             or None.
+        gate_first: the first part is a gate for a gated :func:`layer_norm` (the HSTU block's ``u``): returned as a
+            :class:`SiluGate` of ``h``'s columns and the bias's, activated by the norm as it reads them, instead of
+            computed and written here.
         backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
 
     Returns:
-        ``len(widths)`` tensors ``[L, w_i]`` in h's dtype (column views of one ``[L, N]`` result).
+        ``len(widths)`` tensors ``[L, w_i]`` in h's dtype (column views of one ``[L, N]`` result); with
+        ``gate_first`` the first is a :class:`SiluGate`.
     """
     _check_float("h", h, h.device)
     if h.dim() != 2:
@@ -282,7 +358,7 @@ def silu_split(
         from kernels.triton.silu_split import silu_split as impl
     else:
         from kernels.pytorch.silu_split import silu_split as impl
-    return impl(h, widths, bias)
+    return impl(h, widths, bias, gate_first=gate_first)
 
 
 def _dense_strides(size: Sequence[int]) -> tuple[int, ...]:

@@ -153,7 +153,7 @@ def test_uvqk_without_bias_drops_exactly_its_bias():
     count = sum(p.numel() for p in with_bias.parameters()) - sum(p.numel() for p in without.parameters())
     assert count == with_bias.uvqk.out_features == 2 * (2 * 4 + 2 * 4)
     x = torch.randn(6, 8)
-    u = without.split_uvqk(x)[0]
+    u = without.split_uvqk(x)[0].value()
     normed = F.layer_norm(x, (8,), without.input_norm.weight, without.input_norm.bias)
     torch.testing.assert_close(u, F.silu(normed @ without.uvqk.weight.T)[:, :8])
 

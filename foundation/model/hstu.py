@@ -1,6 +1,7 @@
 """HSTU block (arXiv 2402.17152) over a jagged token batch.
 
-``U, V, Q, K = silu(W·LN(x) + b)`` (one :func:`kernels.silu_split`, the bias added inside); ``A = silu(alpha·QKᵀ + rel_bias)/N · V``
+``U, V, Q, K = silu(W·LN(x) + b)`` (one :func:`kernels.silu_split`, the bias added inside; U's SiLU in the gated norm
+that reads it); ``A = silu(alpha·QKᵀ + rel_bias)/N · V``
 (causal, through :func:`kernels.jagged_attention`); ``x + W_o·dropout(LN(A) ⊙ U)``, the gated norm and its
 dropout one fused kernel (:func:`kernels.layer_norm`). The relative bias is a learned per-head table over
 position distance plus one over log time-difference buckets.
@@ -33,7 +34,7 @@ from foundation.model.norms import (
 )
 from foundation.model.profiling import ATTENTION, profile_region
 from foundation.model.teacher_config import BLOCK_INITS, REL_BIASES
-from kernels import jagged_attention, silu_split
+from kernels import SiluGate, jagged_attention, silu_split
 
 # The reference HSTU draws its uvqk matrix and its relative-bias tables from N(0, 0.02).
 REFERENCE_INIT_STD = 0.02
@@ -80,14 +81,15 @@ class HSTUBlock(nn.Module):
         elif init not in BLOCK_INITS:
             raise ValueError(f"teacher.block_init must be one of {BLOCK_INITS}, got {init!r}")
 
-    def split_uvqk(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """``x[L, d]`` -> ``u[L, H*Dv]``, ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``; ``normed``: x's input norm
-        when the caller computed it."""
+    def split_uvqk(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> tuple[SiluGate | torch.Tensor, ...]:
+        """``x[L, d]`` -> ``u`` (a :class:`~kernels.glue.SiluGate` over ``[L, H*Dv]``: ``u.value()`` is the gate),
+        ``v[L, H, Dv]``, ``q[L, H, Dqk]``, ``k[L, H, Dqk]``; ``normed``: x's input norm when the caller computed it."""
         h, dv, dqk = self.num_heads, self.value_dim, self.attn_dim
         normed = apply_layer_norm(self.input_norm, x) if normed is None else normed
-        # The bias joins in the SiLU's kernel, whose backward sums its gradient from small per-tile partials.
+        # The bias joins in the SiLU's kernel, whose backward sums its gradient from small per-tile partials; u's
+        # SiLU (and its bias) waits for the gated norm, which reads u only there.
         projected = nn.functional.linear(normed, self.uvqk.weight)
-        u, v, q, k = silu_split(projected, [h * dv, h * dv, h * dqk, h * dqk], bias=self.uvqk.bias)
+        u, v, q, k = silu_split(projected, [h * dv, h * dv, h * dqk, h * dqk], bias=self.uvqk.bias, gate_first=True)
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
     def forward(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.glue import SiluGate
+
 
 def layer_norm(
     x: torch.Tensor,
@@ -13,7 +15,7 @@ def layer_norm(
     eps: float,
     *,
     scale: float = 1.0,
-    gate: torch.Tensor | None = None,
+    gate: torch.Tensor | SiluGate | None = None,
     out_dtype: torch.dtype | None = None,
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
@@ -23,15 +25,18 @@ def layer_norm(
     Args:
         x: ``[..., N]``.
         weight, bias: ``[N]``.
-        gate: ``[..., N]`` (x's shape) or None.
-        out_dtype: the result's dtype; None means x's dtype promoted with gate's.
+        gate: ``[..., N]`` (x's shape), a :class:`~kernels.glue.SiluGate` (``silu(pre + bias)`` in float32), or None.
+        out_dtype: the result's dtype; None means x's dtype promoted with gate's (``pre``'s).
         dropout_mask: ``[..., N]`` bool, the elements kept (each scaled by ``1 / (1 - dropout_p)``), or None.
     """
-    dtype = out_dtype or (torch.promote_types(x.dtype, gate.dtype) if gate is not None else x.dtype)
+    gate_dtype = (gate.pre if isinstance(gate, SiluGate) else gate).dtype if gate is not None else x.dtype
+    dtype = out_dtype or torch.promote_types(x.dtype, gate_dtype)
     with torch.autocast(x.device.type, enabled=False):
         scaled = x.float() if scale == 1.0 else x.float() * scale
         y = F.layer_norm(scaled, (x.shape[-1],), weight.float(), bias.float(), eps)
-        if gate is not None:
+        if isinstance(gate, SiluGate):
+            y = y * gate.value()
+        elif gate is not None:
             y = y * gate.float()
         if dropout_mask is not None:
             y = y * dropout_mask * (1.0 / (1.0 - dropout_p))

@@ -6,14 +6,22 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.glue import SiluGate
+
 
 def silu_split(
-    h: torch.Tensor, widths: Sequence[int], bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, ...]:
+    h: torch.Tensor, widths: Sequence[int], bias: torch.Tensor | None = None, *, gate_first: bool = False
+) -> tuple[torch.Tensor | SiluGate, ...]:
     """``silu(h + bias)`` split along the last axis into ``widths``: ``h[L, N]``, ``bias[N]`` or None -> ``[L, w_i]``
     views in h's dtype, ``sum(w_i) = N``. The bias is added in h's dtype, as a GEMM's bias epilogue rounds it.
+    ``gate_first``: the first part is ``SiluGate(h's columns, bias's columns)``, not activated.
 
     Autograd's backward concatenates the parts' gradients into one ``[L, N]`` tensor, then runs SiLU's backward.
     """
-    pre = h if bias is None else h + bias.to(h.dtype)
-    return torch.split(torch.nn.functional.silu(pre), list(widths), -1)
+    if not gate_first:
+        pre = h if bias is None else h + bias.to(h.dtype)
+        return torch.split(torch.nn.functional.silu(pre), list(widths), -1)
+    width = widths[0]
+    gate = SiluGate(h[:, :width], None if bias is None else bias[:width])
+    rest = silu_split(h[:, width:], widths[1:], None if bias is None else bias[width:]) if widths[1:] else ()
+    return (gate, *rest)

@@ -6,7 +6,10 @@ by the caller from PyTorch's generator), read forward and backward in place of e
 read and write ``y`` once more each way). What it saves over eager PyTorch under bf16 autocast, per ``[M, N]`` call: autocast runs LayerNorm in float32, so eager writes a float32
 output, multiplies it by the gate into another float32 tensor and casts that to bf16 for the next
 GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. The backward reads
-``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``); the weight and bias gradients are
+``dy``, ``x`` and the gate once and writes ``dx`` (and ``dgate``). A :class:`~kernels.glue.SiluGate` (the HSTU
+block's ``u``) is read as its pre-activation and activated here, ``silu(pre + bias)`` in float32, and its backward
+writes the pre-activation's gradient (into the projection's, where the gate's ``GateGrad`` says) and sums the gate
+bias's beside the weight's: the split SiLU neither writes the gate nor runs its backward. The weight and bias gradients are
 per-program float32 partial sums over a block of rows. The last program of each group of ``GROUP`` to finish
 (an atomic count) adds its group's partials in program order, then adds that into the totals with float atomics,
 so no reduction over the groups is left for a kernel launch of its own after every call. With
@@ -34,16 +37,30 @@ import triton
 import triton.language as tl
 
 from kernels import settings
+from kernels.glue import SiluGate
 
 MAX_N = 16384
 
 
 @triton.jit
+def _gate(g_ptrs, gb_ptrs, mask, GATE_SILU: tl.constexpr, HAS_GATE_BIAS: tl.constexpr):
+    """``(gate, d gate / d pre)`` of a row: the gate as read, or ``silu(pre + bias)`` of its pre-activation."""
+    pre = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE_BIAS:
+        pre += tl.load(gb_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GATE_SILU:
+        sig = tl.sigmoid(pre)
+        return pre * sig, sig * (1.0 + pre * (1.0 - sig))
+    else:
+        return pre, tl.full(pre.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _ln_fwd_kernel(
-    x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, g_ptr, m_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
+    x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, g_ptr, gb_ptr, m_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
     N, stride_x, stride_r, stride_g, stride_m, stride_s, stride_y, scale, eps, keep_scale,
-    HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, GATE_SILU: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -64,7 +81,7 @@ def _ln_fwd_kernel(
     b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = centred * rstd * w + b
     if HAS_GATE:
-        y = y * tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * _gate(g_ptr + row * stride_g + cols, gb_ptr + cols, mask, GATE_SILU, HAS_GATE_BIAS)[0]
     if HAS_DROPOUT:
         keep = tl.load(m_ptr + row * stride_m + cols, mask=mask, other=0) != 0
         y = tl.where(keep, y * keep_scale, 0.0)
@@ -76,16 +93,17 @@ def _ln_fwd_kernel(
 # The row count changes with every batch: specialising on its divisibility would compile twice.
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _ln_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, m_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr, partial_ptr,
-    group_ptr, count_ptr, M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds, stride_dx,
-    stride_dr, stride_dg, scale, keep_scale,
-    HAS_GATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_BRANCH_BIAS: tl.constexpr, ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, b_ptr, g_ptr, gb_ptr, m_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dr_ptr, dg_ptr,
+    partial_ptr, group_ptr, count_ptr, M, N, rows_per_program, stride_dy, stride_x, stride_g, stride_m, stride_ds,
+    stride_dx, stride_dr, stride_dg, scale, keep_scale,
+    HAS_GATE: tl.constexpr, GATE_SILU: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, SUMS: tl.constexpr,
+    ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """``partial_ptr``: ``[programs, SUMS, N]`` float32 (each program's dw, db and, with a branch bias, the sum's
-    gradient: the bias's); ``group_ptr``: ``ATOMIC_TOTALS``: ``[SUMS, N]`` float32 zeros, the totals; else
-    ``[groups, SUMS, N]``, each group's sums; ``count_ptr``: ``[groups]`` int32 zeros."""
-    SUMS: tl.constexpr = 3 if HAS_BRANCH_BIAS else 2
+    """``partial_ptr``: ``[programs, SUMS, N]`` float32 (each program's dw, db and, with a branch bias or a gate
+    bias, that bias's gradient: the sum's, or the gate's pre-activation's); ``group_ptr``: ``ATOMIC_TOTALS``:
+    ``[SUMS, N]`` float32 zeros, the totals; else ``[groups, SUMS, N]``, each group's sums; ``count_ptr``:
+    ``[groups]`` int32 zeros. ``dg_ptr``: with ``GATE_SILU`` the pre-activation's gradient."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -106,8 +124,11 @@ def _ln_bwd_kernel(
             keep = tl.load(m_ptr + row * stride_m + cols, mask=mask, other=0) != 0
             dn = tl.where(keep, dn * keep_scale, 0.0)
         if HAS_GATE:
-            gate = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dg_ptr + row * stride_dg + cols, (dn * (x_hat * w + b)).to(dg_ptr.dtype.element_ty), mask=mask)
+            gate, dgate_dpre = _gate(g_ptr + row * stride_g + cols, gb_ptr + cols, mask, GATE_SILU, HAS_GATE_BIAS)
+            dgate = dn * (x_hat * w + b) * dgate_dpre
+            tl.store(dg_ptr + row * stride_dg + cols, dgate.to(dg_ptr.dtype.element_ty), mask=mask)
+            if HAS_GATE_BIAS:
+                dbb += dgate
             dn = dn * gate
         dw += dn * x_hat
         db += dn
@@ -124,7 +145,7 @@ def _ln_bwd_kernel(
             dbb += dx
     tl.store(partial_ptr + pid * SUMS * N + cols, dw, mask=mask)
     tl.store(partial_ptr + (pid * SUMS + 1) * N + cols, db, mask=mask)
-    if HAS_BRANCH_BIAS:
+    if SUMS == 3:
         tl.store(partial_ptr + (pid * SUMS + 2) * N + cols, dbb, mask=mask)
     # Every thread's partial stored before the count is raised (which releases them to the group's last program).
     tl.debug_barrier()
@@ -139,17 +160,17 @@ def _ln_bwd_kernel(
         for p in range(first_pid, first_pid + size):  # program order, whichever finished last
             dw += tl.load(partial_ptr + p * SUMS * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
             db += tl.load(partial_ptr + (p * SUMS + 1) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BRANCH_BIAS:
+            if SUMS == 3:
                 dbb += tl.load(partial_ptr + (p * SUMS + 2) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
         if ATOMIC_TOTALS:
             tl.atomic_add(group_ptr + cols, dw, mask=mask, sem="relaxed")
             tl.atomic_add(group_ptr + N + cols, db, mask=mask, sem="relaxed")
-            if HAS_BRANCH_BIAS:
+            if SUMS == 3:
                 tl.atomic_add(group_ptr + 2 * N + cols, dbb, mask=mask, sem="relaxed")
         else:
             tl.store(group_ptr + group * SUMS * N + cols, dw, mask=mask)
             tl.store(group_ptr + (group * SUMS + 1) * N + cols, db, mask=mask)
-            if HAS_BRANCH_BIAS:
+            if SUMS == 3:
                 tl.store(group_ptr + (group * SUMS + 2) * N + cols, dbb, mask=mask)
 
 
@@ -174,9 +195,11 @@ def _num_programs(m: int, device: torch.device) -> int:
     return max(1, min(m, 4))
 
 
-def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(None, 1.0), residual_bias=None):
+def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(None, 1.0), residual_bias=None,
+             gate_bias=None, gate_silu=False):
     """``(sum or x, gate, y, mean, rstd)`` as 2-D ``[M, N]`` tensors; ``sum`` is ``x + residual (+ residual_bias)``
-    when there is a residual. ``dropout``: ``(mask [M, N] uint8 or None, 1 / (1 - p))``."""
+    when there is a residual. ``dropout``: ``(mask [M, N] uint8 or None, 1 / (1 - p))``. ``gate_silu``: the gate is
+    ``silu(gate + gate_bias)``."""
     n = x.shape[-1]
     x2 = _rows_2d(x, n)
     g2 = _rows_2d(gate, n) if gate is not None else None
@@ -190,32 +213,39 @@ def _forward(x, weight, bias, gate, residual, scale, eps, out_dtype, dropout=(No
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_fwd_kernel[(m,)](
-            x2, _or(r2, x2), _or(residual_bias, weight), weight, bias, _or(g2, x2), _or(m2, x2), _or(s2, y), y, mean,
-            rstd, n, x2.stride(0), _stride(r2), _stride(g2), _stride(m2), _stride(s2), y.stride(0), scale, eps,
-            keep_scale, HAS_RESIDUAL=r2 is not None, HAS_BRANCH_BIAS=r2 is not None and residual_bias is not None,
-            HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            x2, _or(r2, x2), _or(residual_bias, weight), weight, bias, _or(g2, x2), _or(gate_bias, weight),
+            _or(m2, x2), _or(s2, y), y, mean, rstd, n, x2.stride(0), _stride(r2), _stride(g2), _stride(m2),
+            _stride(s2), y.stride(0), scale, eps, keep_scale, HAS_RESIDUAL=r2 is not None,
+            HAS_BRANCH_BIAS=r2 is not None and residual_bias is not None, HAS_GATE=g2 is not None,
+            GATE_SILU=gate_silu, HAS_GATE_BIAS=gate_bias is not None, HAS_DROPOUT=m2 is not None, BLOCK_N=block_n,
+            num_warps=_num_warps(block_n),
         )
     return (s2 if s2 is not None else x2), g2, y, mean, rstd
 
 
 def _backward(
     dy, x2, weight, bias, g2, mean, rstd, scale, *, gate_dtype, dropout=(None, 1.0), ds=None, residual_dtype=None,
-    residual_bias_dtype=None,
+    residual_bias_dtype=None, gate_bias=None, gate_silu=False, dg_out=None,
 ):
-    """``(dx, dresidual, dweight, dbias, dgate, dresidual_bias)`` of ``[M, N]`` inputs (``dresidual``: with
-    ``residual_dtype``; ``dresidual_bias``, the column sums of the sum's gradient: with ``residual_bias_dtype``)."""
+    """``(dx, dresidual, dweight, dbias, dgate, dbias_of_branch_or_gate)`` of ``[M, N]`` inputs (``dresidual``: with
+    ``residual_dtype``; the last: the column sums of the sum's gradient with ``residual_bias_dtype``, or of the gate
+    pre-activation's with a ``gate_bias``). ``dg_out``: ``[M, N]`` where to write the gate's gradient (else a new
+    tensor)."""
     m, n = x2.shape
     dy2 = _rows_2d(dy, n)
     ds2 = _rows_2d(ds, n) if ds is not None else None
     m2, keep_scale = dropout
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
     dr = torch.empty(m, n, device=x2.device, dtype=residual_dtype) if residual_dtype is not None else None
-    dg = torch.empty(m, n, device=x2.device, dtype=gate_dtype) if g2 is not None else None
+    dg = None
+    if g2 is not None:
+        dg = dg_out if dg_out is not None else torch.empty(m, n, device=x2.device, dtype=gate_dtype)
     programs = _num_programs(m, x2.device)
     groups = triton.cdiv(programs, BWD_GROUP)
-    # Each program's partial sums of dw, db (and the residual bias's gradient) lie side by side; the groups' sums
-    # go into the totals by atomics, or are stored per group and summed here (deterministic).
-    sums = 2 if residual_bias_dtype is None else 3
+    # Each program's partial sums of dw, db (and the residual bias's or the gate bias's gradient) lie side by side;
+    # the groups' sums go into the totals by atomics, or are stored per group and summed here (deterministic).
+    third_dtype = residual_bias_dtype if gate_bias is None else gate_bias.dtype
+    sums = 2 if third_dtype is None else 3
     partial = torch.empty(programs, sums, n, device=x2.device, dtype=torch.float32)
     atomic = not settings.deterministic()
     if atomic:  # one zero fill for the groups' arrival counts and, 16-byte aligned after them, the totals
@@ -228,17 +258,18 @@ def _backward(
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
-            dy2, x2, weight, bias, _or(g2, x2), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx, _or(dr, dx), _or(dg, dx),
-            partial, group_sums, counts, m, n,
+            dy2, x2, weight, bias, _or(g2, x2), _or(gate_bias, weight), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx,
+            _or(dr, dx), _or(dg, dx), partial, group_sums, counts, m, n,
             triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
             dx.stride(0), _stride(dr), _stride(dg), scale, keep_scale,
-            HAS_GATE=g2 is not None, HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None,
-            HAS_RESIDUAL=dr is not None, HAS_BRANCH_BIAS=sums == 3, ATOMIC_TOTALS=atomic, GROUP=BWD_GROUP,
+            HAS_GATE=g2 is not None, GATE_SILU=gate_silu, HAS_GATE_BIAS=gate_bias is not None,
+            HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None, HAS_RESIDUAL=dr is not None,
+            HAS_BRANCH_BIAS=residual_bias_dtype is not None, SUMS=sums, ATOMIC_TOTALS=atomic, GROUP=BWD_GROUP,
             BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
     totals = group_sums if atomic else group_sums.sum(0)
-    dresidual_bias = totals[2].to(residual_bias_dtype) if sums == 3 else None
-    return dx, dr, totals[0].to(weight.dtype), totals[1].to(bias.dtype), dg, dresidual_bias
+    dthird = totals[2].to(third_dtype) if sums == 3 else None
+    return dx, dr, totals[0].to(weight.dtype), totals[1].to(bias.dtype), dg, dthird
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -259,22 +290,31 @@ def _dropout_rows(mask: torch.Tensor | None, p: float, n: int) -> tuple[torch.Te
 
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, gate, scale, eps, out_dtype, dropout_mask, dropout_p):
+    def forward(ctx, x, weight, bias, gate, gate_bias, gate_grad, gate_silu, scale, eps, out_dtype, dropout_mask,
+                dropout_p):
+        """``gate_silu``: ``gate`` is a :class:`~kernels.glue.SiluGate`'s pre-activation and ``gate_bias`` its bias
+        (or None); ``gate_grad``: its :class:`~kernels.glue.GateGrad` or None."""
         dropout = _dropout_rows(dropout_mask, dropout_p, x.shape[-1])
-        x2, g2, y, mean, rstd = _forward(x, weight, bias, gate, None, scale, eps, out_dtype, dropout)
-        ctx.save_for_backward(x2, weight, bias, g2, mean, rstd, dropout[0])
+        x2, g2, y, mean, rstd = _forward(x, weight, bias, gate, None, scale, eps, out_dtype, dropout,
+                                         gate_bias=gate_bias, gate_silu=gate_silu)
+        ctx.save_for_backward(x2, weight, bias, g2, gate_bias, mean, rstd, dropout[0])
         ctx.scale, ctx.keep_scale, ctx.shape = scale, dropout[1], x.shape
         ctx.gate_dtype = gate.dtype if gate is not None else None
+        ctx.gate_grad, ctx.gate_silu = gate_grad, gate_silu
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, bias, g2, mean, rstd, m2 = ctx.saved_tensors
-        dx, _, grad_w, grad_b, dg, _ = _backward(
-            dy, x2, weight, bias, g2, mean, rstd, ctx.scale, gate_dtype=ctx.gate_dtype, dropout=(m2, ctx.keep_scale)
+        x2, weight, bias, g2, gate_bias, mean, rstd, m2 = ctx.saved_tensors
+        dg_out = ctx.gate_grad.gate_columns() if ctx.gate_grad is not None else None
+        if dg_out is not None and dg_out.shape != x2.shape:  # a gate of more dimensions: a gradient of its own
+            dg_out = None
+        dx, _, grad_w, grad_b, dg, grad_gb = _backward(
+            dy, x2, weight, bias, g2, mean, rstd, ctx.scale, gate_dtype=ctx.gate_dtype, dropout=(m2, ctx.keep_scale),
+            gate_bias=gate_bias, gate_silu=ctx.gate_silu, dg_out=dg_out,
         )
-        grad_g = dg.view(ctx.shape) if dg is not None else None
-        return dx.view(ctx.shape), grad_w, grad_b, grad_g, None, None, None, None, None
+        grad_g = dg if dg is None or dg.shape == ctx.shape else dg.view(ctx.shape)
+        return dx.view(ctx.shape), grad_w, grad_b, grad_g, grad_gb, None, None, None, None, None, None, None
 
 
 class _ResidualLayerNormFn(torch.autograd.Function):
@@ -335,9 +375,16 @@ def _num_warps(block_n: int) -> int:
 
 
 def layer_norm(x, weight, bias, eps, *, scale=1.0, gate=None, out_dtype=None, dropout_mask=None, dropout_p=0.0):
-    """Same contract as :func:`kernels.pytorch.layer_norm.layer_norm` (``N <= MAX_N``)."""
-    dtype = out_dtype or (torch.promote_types(x.dtype, gate.dtype) if gate is not None else x.dtype)
-    return _LayerNormFn.apply(x, weight, bias, gate, float(scale), float(eps), dtype, dropout_mask, float(dropout_p))
+    """Same contract as :func:`kernels.pytorch.layer_norm.layer_norm` (``N <= MAX_N``). A
+    :class:`~kernels.glue.SiluGate` is activated as it is read, and its pre-activation's gradient written where its
+    ``grad`` says."""
+    silu_gate = isinstance(gate, SiluGate)
+    pre = gate.pre if silu_gate else gate
+    dtype = out_dtype or (torch.promote_types(x.dtype, pre.dtype) if pre is not None else x.dtype)
+    return _LayerNormFn.apply(
+        x, weight, bias, pre, gate.bias if silu_gate else None, gate.grad if silu_gate else None, silu_gate,
+        float(scale), float(eps), dtype, dropout_mask, float(dropout_p),
+    )
 
 
 def residual_layer_norm(x, branch, weight, bias, eps, *, branch_bias=None, out_dtype=None, picks=None):

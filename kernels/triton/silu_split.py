@@ -11,6 +11,11 @@ With a ``bias`` (the projection's, left out of its GEMM) the kernels add it in f
 backward writes each row tile's column sums of ``dh`` beside ``dh``: the bias gradient is then a reduction of
 ``[L / BLOCK_M, N]`` float32 partial sums instead of the GEMM backward's reduction of the whole ``[L, N]`` gradient.
 
+``gate_first`` (the HSTU block's ``u``, which only gates the attention's norm): the gate's columns are neither
+activated nor written here; the gated norm (:mod:`kernels.triton.layer_norm`) activates them as it reads them and
+writes their pre-activation gradient into the columns of ``dh`` it is handed (:class:`~kernels.glue.GateGrad`), so
+the gate costs no pass of its own either way.
+
 Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -19,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.glue import GateGrad, SiluGate
 
 # A 32 x 128 tile per program, rows in contiguous 256-byte (bf16) runs: at the `large` teacher's shapes its
 # backward beat 16 x 256 tiles (docs/benchmarks.md, session 28); fixed, so it compiles once. Module constants, so
@@ -71,33 +78,49 @@ def _grid(m: int, n: int) -> tuple[int, int]:
 
 class _SiluSplitFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, bias, widths):
+    def forward(ctx, h, bias, widths, gate):
+        """``gate``: a :class:`~kernels.glue.GateGrad` when the first part is a gate left un-activated (its columns of
+        ``h`` returned as they are, a view), else None."""
         h = h if h.stride(-1) == 1 else h.contiguous()
         m, n = h.shape
-        y = torch.empty(m, n, device=h.device, dtype=h.dtype)
-        if m and n:
-            _silu_fwd_kernel[_grid(m, n)](
-                h, h if bias is None else bias, y, m, n, h.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        start = gate.width if gate is not None else 0
+        y = torch.empty(m, n - start, device=h.device, dtype=h.dtype)
+        if m and n - start:
+            _silu_fwd_kernel[_grid(m, n - start)](
+                h[:, start:], h if bias is None else bias[start:], y, m, n - start, h.stride(0), y.stride(0),
+                HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
             )
         ctx.save_for_backward(h, bias)
-        ctx.widths = widths
+        ctx.widths, ctx.gate = widths, gate
         ctx.set_materialize_grads(False)
-        return tuple(y.split(widths, -1))
+        parts = y.split(widths[1:] if gate is not None else widths, -1)
+        return (h[:, :start], *parts) if gate is not None else tuple(parts)
 
     @staticmethod
     def backward(ctx, *grads):
         h, bias = ctx.saved_tensors
         m = h.shape[0]
-        dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+        gate = ctx.gate
+        # The gate's gradient already lies in the gate's columns of the buffer its norm was handed (GateGrad).
+        in_place = gate is not None and gate.holds(grads[0])
+        dh = gate.take() if gate is not None else None
+        if dh is None:
+            dh = torch.empty_like(h, memory_format=torch.contiguous_format)
         # Per row tile and column, float32: the bias gradient is one small reduction of these, not one of dh.
         partial = None if bias is None else torch.empty(
             triton.cdiv(m, BLOCK_M), h.shape[1], device=h.device, dtype=torch.float32
         )
         start = 0
-        for width, dy in zip(ctx.widths, grads, strict=True):
+        for i, (width, dy) in enumerate(zip(ctx.widths, grads, strict=True)):
             cols = slice(start, start + width)
-            if dy is None:
+            if gate is not None and i == 0:  # un-activated here: its gradient is the pre-activation's
+                if partial is not None:  # the gate's bias gradient comes from the gate's consumer
+                    partial[:, cols].zero_()
+                if dy is None:
+                    dh[:, cols].zero_()
+                elif not in_place:
+                    dh[:, cols].copy_(dy)
+            elif dy is None:
                 dh[:, cols].zero_()
                 if partial is not None:
                     partial[:, cols].zero_()
@@ -110,9 +133,15 @@ class _SiluSplitFn(torch.autograd.Function):
                     BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
                 )
             start += width
-        return dh, None if partial is None else partial.sum(0).to(bias.dtype), None
+        return dh, None if partial is None else partial.sum(0).to(bias.dtype), None, None
 
 
-def silu_split(h, widths, bias=None):
-    """Same contract as :func:`kernels.pytorch.silu_split.silu_split`."""
-    return _SiluSplitFn.apply(h, bias, tuple(widths))
+def silu_split(h, widths, bias=None, *, gate_first=False):
+    """Same contract as :func:`kernels.pytorch.silu_split.silu_split`. With ``gate_first`` the gate's
+    :class:`~kernels.glue.GateGrad` takes the gradient the Triton norm writes for it, in place in ``dh``."""
+    widths = tuple(widths)
+    if not gate_first:
+        return _SiluSplitFn.apply(h, bias, widths, None)
+    grad = GateGrad(h, widths[0])
+    pre, *rest = _SiluSplitFn.apply(h, bias, widths, grad)
+    return (SiluGate(pre, None if bias is None else bias[: widths[0]], grad), *rest)
