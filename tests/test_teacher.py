@@ -291,6 +291,32 @@ def test_experts_route_rows_by_their_own_domain():
     assert not torch.allclose(experts(z, torch.tensor([1, 1, 1, 1])), experts(z, torch.tensor([0, 0, 0, 0])))
 
 
+def test_experts_pad_their_input_to_whole_vectors_with_the_same_function():
+    torch.manual_seed(0)
+    experts = MultiDomainExperts(
+        13, num_domains=2, num_tasks=2, num_shared=1, num_per_domain=1, hidden=3, expert_dim=4, dropout=0.0
+    )
+    assert experts.first.weight.shape == (9, 16) and experts.gates.weight.shape[1] == 16
+    assert (experts.first.weight[:, 13:] == 0).all() and (experts.gates.weight[:, 13:] == 0).all()
+    torch.manual_seed(0)  # the same draws as layers over the unpadded input
+    plain = torch.nn.Linear(13, 9)
+    torch.testing.assert_close(experts.first.weight[:, :13], plain.weight)
+    z, domain = torch.randn(5, 13), torch.tensor([0, 1, 1, 0, 1])
+    out = experts(z, domain)
+    out.square().sum().backward()
+    assert (experts.first.weight.grad[:, 13:] == 0).all() and (experts.gates.weight.grad[:, 13:] == 0).all()
+    hidden = torch.nn.functional.silu(z @ experts.first.weight[:, :13].T + experts.first.bias).view(5, 3, 3)
+    expected = torch.einsum("beh,ehd->bed", hidden, experts.second) + experts.second_bias
+    torch.testing.assert_close(experts.run_experts(torch.nn.functional.pad(z, (0, 3))), expected)
+    # A checkpoint from before the padding loads, and computes the same.
+    old = {k: v[:, :13] if k in ("first.weight", "gates.weight") else v for k, v in experts.state_dict().items()}
+    loaded = MultiDomainExperts(
+        13, num_domains=2, num_tasks=2, num_shared=1, num_per_domain=1, hidden=3, expert_dim=4, dropout=0.0
+    )
+    loaded.load_state_dict(old)
+    torch.testing.assert_close(loaded(z, domain), out.detach())
+
+
 def test_flavors_match_the_issue_and_build():
     assert set(TEACHER_FLAVORS) >= {"debug", "small", "large", "ml1m_hstu", "ml1m_hstu_large"}
     small, large = TEACHER_FLAVORS["ml1m_hstu"], TEACHER_FLAVORS["ml1m_hstu_large"]

@@ -4,12 +4,31 @@ Every row is routed by its own domain: its gate for task ``t`` mixes the shared 
 domain's experts, and its head for ``t`` reads that mixture. All experts run as two batched
 matmuls (no per-domain loop, no host sync): experts are few and small next to the sequence arch,
 so computing every domain's experts for every row is cheaper than gathering rows by domain.
+
+The input is padded with zero columns to a multiple of :data:`INPUT_ALIGN`: a bf16 GEMM whose rows are not whole
+16-byte vectors runs on cuBLAS's unaligned kernels, several times slower (docs/benchmarks.md), and the input here
+is wide (the final interaction's tokens flattened, plus an odd count of pairwise dots). The two layers that read it
+hold zero weights for the padding (drawn as the unpadded layers are, so the initial function is the same); their
+gradient is zero, so AdamW leaves them zero.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+# Input columns per whole 16-byte vector of a bf16 row.
+INPUT_ALIGN = 8
+
+
+def _pad_input_columns(linear: nn.Linear, width: int) -> None:
+    """Gives ``linear`` zero weight columns for inputs ``[in_features, width)``."""
+    if width == linear.in_features:
+        return
+    weight = linear.weight.detach()
+    padding = weight.new_zeros(weight.shape[0], width - weight.shape[1])
+    linear.weight = nn.Parameter(torch.cat([weight, padding], 1))
+    linear.in_features = width
 
 
 class MultiDomainExperts(nn.Module):
@@ -32,6 +51,7 @@ class MultiDomainExperts(nn.Module):
         self.num_shared, self.num_per_domain = num_shared, num_per_domain
         self.num_experts = num_shared + num_domains * num_per_domain
         self.hidden, self.expert_dim = hidden, expert_dim
+        self.d_in, self.padded_in = d_in, -(-d_in // INPUT_ALIGN) * INPUT_ALIGN
         self.first = nn.Linear(d_in, self.num_experts * hidden)
         self.second = nn.Parameter(torch.randn(self.num_experts, hidden, expert_dim) / hidden**0.5)
         self.second_bias = nn.Parameter(torch.zeros(self.num_experts, expert_dim))
@@ -39,9 +59,22 @@ class MultiDomainExperts(nn.Module):
         self.gates = nn.Linear(d_in, num_domains * num_tasks * (num_shared + num_per_domain))
         self.head_weight = nn.Parameter(torch.randn(num_domains, num_tasks, expert_dim) / expert_dim**0.5)
         self.head_bias = nn.Parameter(torch.zeros(num_domains, num_tasks))
+        for linear in (self.first, self.gates):
+            _pad_input_columns(linear, self.padded_in)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints from before the padding: their weights over the unpadded input get the zero columns.
+        for name in ("first.weight", "gates.weight"):
+            weight = state_dict.get(prefix + name)
+            if weight is not None and weight.dim() == 2 and weight.shape[1] == self.d_in < self.padded_in:
+                state_dict[prefix + name] = torch.cat(
+                    [weight, weight.new_zeros(weight.shape[0], self.padded_in - self.d_in)], 1
+                )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def run_experts(self, z: torch.Tensor) -> torch.Tensor:
-        """``z[B, D_in]`` -> every expert's output ``[B, num_experts, expert_dim]`` (shared first, then by domain)."""
+        """``z[B, D_pad]`` (the padded input) -> every expert's output ``[B, num_experts, expert_dim]`` (shared first,
+        then by domain)."""
         hidden = self.dropout(nn.functional.silu(self.first(z))).view(-1, self.num_experts, self.hidden)
         return torch.einsum("beh,ehd->bed", hidden, self.second) + self.second_bias
 
@@ -57,6 +90,8 @@ class MultiDomainExperts(nn.Module):
         return outputs.gather(1, index[:, :, None].expand(-1, -1, self.expert_dim))
 
     def forward(self, z: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+        if z.shape[1] < self.padded_in:
+            z = nn.functional.pad(z, (0, self.padded_in - z.shape[1]))
         rows = torch.arange(z.shape[0], device=z.device)
         experts = self.select_domain_experts(self.run_experts(z), domain)  # [B, E_row, e]
         gate_logits = self.gates(z).view(-1, self.num_domains, self.num_tasks, experts.shape[1])[rows, domain]
