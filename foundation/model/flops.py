@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from foundation.data.schema import TASKS, EventSchema
+from foundation.model.experts import INPUT_ALIGN
 from foundation.model.teacher_config import TeacherConfig
 from kernels.flops import attention_flops
 
@@ -161,7 +162,8 @@ def ctr_output_flops(
     tasks = len(TASKS)
     per_row = cfg.num_shared_experts + cfg.num_domain_experts
     num_experts = cfg.num_shared_experts + schema.num_domains * cfg.num_domain_experts
-    d_in = n_in * d + n_dots
+    # The experts' GEMMs run over their input padded to whole vectors (foundation/model/experts.py).
+    d_in = -(-(n_in * d + n_dots) // INPUT_ALIGN) * INPUT_ALIGN
     experts = mm(b, d_in, num_experts * cfg.expert_hidden) + mm(
         b * num_experts, cfg.expert_hidden, cfg.expert_dim
     )
