@@ -34,14 +34,12 @@ class GateGrad:
     def __init__(self, like: torch.Tensor, width: int) -> None:
         self.shape, self.dtype, self.device, self.width = like.shape, like.dtype, like.device, width
         self.buffer: torch.Tensor | None = None
-        self.handed_out = False
 
     def gate_columns(self) -> torch.Tensor | None:
-        """``[L, width]``: the buffer's gate columns, to write the gate's gradient into; None after the first call (a
-        second consumer of the gate writes a gradient of its own, which autograd adds to the first)."""
-        if self.handed_out:
+        """``[L, width]``: the buffer's gate columns, to write the gate's gradient into; None while the buffer is
+        out (a second consumer of the gate writes a gradient of its own, which autograd adds to the first)."""
+        if self.buffer is not None:
             return None
-        self.handed_out = True
         self.buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self.buffer[:, : self.width]
 

@@ -21,14 +21,16 @@ from torch import nn
 INPUT_ALIGN = 8
 
 
+def _with_zero_columns(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``weight[out, in]`` with zero columns appended up to ``width``."""
+    return torch.cat([weight, weight.new_zeros(weight.shape[0], width - weight.shape[1])], 1)
+
+
 def _pad_input_columns(linear: nn.Linear, width: int) -> None:
     """Gives ``linear`` zero weight columns for inputs ``[in_features, width)``."""
-    if width == linear.in_features:
-        return
-    weight = linear.weight.detach()
-    padding = weight.new_zeros(weight.shape[0], width - weight.shape[1])
-    linear.weight = nn.Parameter(torch.cat([weight, padding], 1))
-    linear.in_features = width
+    if width != linear.in_features:
+        linear.weight = nn.Parameter(_with_zero_columns(linear.weight.detach(), width))
+        linear.in_features = width
 
 
 class MultiDomainExperts(nn.Module):
@@ -67,9 +69,7 @@ class MultiDomainExperts(nn.Module):
         for name in ("first.weight", "gates.weight"):
             weight = state_dict.get(prefix + name)
             if weight is not None and weight.dim() == 2 and weight.shape[1] == self.d_in < self.padded_in:
-                state_dict[prefix + name] = torch.cat(
-                    [weight, weight.new_zeros(weight.shape[0], self.padded_in - self.d_in)], 1
-                )
+                state_dict[prefix + name] = _with_zero_columns(weight, self.padded_in)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def run_experts(self, z: torch.Tensor) -> torch.Tensor:
