@@ -165,7 +165,7 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
 
 # The glue kernels' backward as the `large` teacher launches them (float32 stream, bf16 activations, width 1,024), at
 # each launch shape `experiments/bench_glue.py --launches` times: registers bound how many programs an SM holds.
-GLUE_FLOAT32 = {"w_ptr", "b_ptr", "mean_ptr", "rstd_ptr", "partial_ptr", "group_ptr", "db_ptr"}
+GLUE_FLOAT32 = {"w_ptr", "b_ptr", "mean_ptr", "rstd_ptr", "partial_ptr", "group_ptr", "sums_ptr", "db_ptr"}
 GLUE_CASES = {
     "layer_norm": [
         ("residual", triton_layer_norm._ln_bwd_kernel, {"x_ptr", "ds_ptr", "dx_ptr"},
@@ -175,7 +175,8 @@ GLUE_CASES = {
          dict(HAS_GATE=True, HAS_DROPOUT=False, HAS_STREAM_GRAD=False, HAS_RESIDUAL=False, HAS_BRANCH_BIAS=False,
               ATOMIC_TOTALS=True, GROUP=triton_layer_norm.BWD_GROUP, BLOCK_N=1024)),
     ],
-    "silu_split": [("bias", triton_silu_split._silu_bwd_kernel, set(), dict(HAS_BIAS=True))],
+    "silu_split": [("bias", triton_silu_split._silu_bwd_kernel, set(),
+                    dict(HAS_BIAS=True, ATOMIC_TOTALS=True, GROUP=triton_silu_split.GROUP))],
     "silu_modulate": [("bias", triton_row_modulate._modulate_bwd_kernel, set(),
                        dict(HAS_BIAS=True, HAS_DROPOUT=False, CHUNK_TILES=triton_row_modulate.CHUNK_TILES))],
 }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from foundation.model.hstu import HSTUBlock
-from foundation.model.interaction import WukongBlock
+from foundation.model.interaction import WukongBlock, mix_tokens
 from foundation.model.interformer import PersonalizedFFN, SequenceSummary, SummaryLayout
 from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
 from foundation.model.norms import apply_layer_norm, apply_residual_layer_norm
@@ -84,6 +84,22 @@ def test_wukong_block_equals_its_previous_formulation(autocast, cast_once):
     new = outputs_and_grads(Call(block, WukongBlock.forward), x, autocast, cast_once)
     old = outputs_and_grads(Call(block, wukong_before), x, autocast, False)
     assert_same(new, old, autocast)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_mix_tokens_equals_the_einsum(rows):
+    """The batched product gives einsum's output and both gradients, for any row count (none included)."""
+    torch.manual_seed(0)
+    weight = torch.randn(4, 7, requires_grad=True)
+    x = torch.randn(rows, 7, 16, requires_grad=True)
+    cotangent = torch.randn(rows, 4, 16)
+    out = mix_tokens(weight, x)
+    grads = torch.autograd.grad(out, (weight, x), cotangent)
+    ref = torch.einsum("oi,bid->bod", weight, x)
+    ref_grads = torch.autograd.grad(ref, (weight, x), cotangent)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def hstu_split_before(block: HSTUBlock, x: torch.Tensor, normed: torch.Tensor | None = None):

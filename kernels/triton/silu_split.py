@@ -8,8 +8,11 @@ of ``h``, and its columns of ``dh`` are written once: the concatenation's read a
 gradient (unused) has its columns of ``dh`` zero-filled.
 
 With a ``bias`` (the projection's, left out of its GEMM) the kernels add it in float32 before the SiLU, and the
-backward writes each row tile's column sums of ``dh`` beside ``dh``: the bias gradient is then a reduction of
-``[L / BLOCK_M, N]`` float32 partial sums instead of the GEMM backward's reduction of the whole ``[L, N]`` gradient.
+backward sums the bias gradient as the LayerNorm's backward sums its weight's (:mod:`kernels.triton.layer_norm`):
+each program stores its row tile's column sums of ``dh``, and the last of each group of ``GROUP`` row tiles to finish
+(an atomic count per group and column tile) adds the group's in row order into float32 totals by atomics, or, with
+``GEM_KERNELS_DETERMINISTIC=1``, stores them per group for the host to add in order. No reduction over the whole
+``[L, N]`` gradient, and none of the partial sums in a launch of its own.
 
 ``gate_first`` (the HSTU block's ``u``, which only gates the attention's norm): the gate's columns are neither
 activated nor written here; the gated norm (:mod:`kernels.triton.layer_norm`) activates them as it reads them and
@@ -21,10 +24,13 @@ Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels import settings
 from kernels.glue import GateGrad, SiluGate
 
 # A 32 x 128 tile per program, rows in contiguous 256-byte (bf16) runs: at the `large` teacher's shapes its
@@ -33,6 +39,8 @@ from kernels.glue import GateGrad, SiluGate
 BLOCK_M = 32
 BLOCK_N = 128
 NUM_WARPS = 4
+# Row tiles whose bias-gradient partial sums the last of them to finish adds up.
+GROUP = 16
 
 
 @triton.jit
@@ -57,9 +65,14 @@ def _silu_fwd_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _silu_bwd_kernel(
-    dy_ptr, h_ptr, b_ptr, dh_ptr, db_ptr, M, N, stride_dy, stride_h, stride_dh, stride_db,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr, h_ptr, b_ptr, dh_ptr, partial_ptr, sums_ptr, count_ptr, M, N, stride_dy, stride_h, stride_dh,
+    stride_partial, stride_sums, stride_count,
+    HAS_BIAS: tl.constexpr, ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    """With ``HAS_BIAS``: ``partial_ptr`` ``[row tiles, N]`` float32, each program's column sums of ``dh``;
+    ``count_ptr`` ``[groups, column tiles]`` int32 zeros; ``sums_ptr``: ``ATOMIC_TOTALS``: ``[N]`` float32 zeros, the
+    bias gradient; else ``[groups, N]``, each group's sums."""
     rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -69,7 +82,23 @@ def _silu_bwd_kernel(
     dh = dy * sig * (1.0 + h * (1.0 - sig))
     tl.store(dh_ptr + rows[:, None] * stride_dh + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:  # this row tile's share of the bias gradient (rows past M have dy = 0)
-        tl.store(db_ptr + tl.program_id(0) * stride_db + cols, tl.sum(dh, axis=0), mask=cols < N)
+        tile = tl.program_id(0)
+        cols_ok = cols < N
+        tl.store(partial_ptr + tile * stride_partial + cols, tl.sum(dh, axis=0), mask=cols_ok)
+        # Every thread's sums stored before the count is raised (which releases them to the group's last program).
+        tl.debug_barrier()
+        group = tile // GROUP
+        first = group * GROUP
+        size = tl.minimum(GROUP, tl.num_programs(0) - first)
+        arrived = tl.atomic_add(count_ptr + group * stride_count + tl.program_id(1), 1, sem="acq_rel")
+        if arrived == size - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for t in range(first, first + size):  # row order, whichever tile finished last
+                total += tl.load(partial_ptr + t * stride_partial + cols, mask=cols_ok, other=0.0, cache_modifier=".cg")
+            if ATOMIC_TOTALS:
+                tl.atomic_add(sums_ptr + cols, total, mask=cols_ok, sem="relaxed")
+            else:
+                tl.store(sums_ptr + group * stride_sums + cols, total, mask=cols_ok)
 
 
 def _grid(m: int, n: int) -> tuple[int, int]:
@@ -106,34 +135,58 @@ class _SiluSplitFn(torch.autograd.Function):
         dh = gate.take() if gate is not None else None
         if dh is None:
             dh = torch.empty_like(h, memory_format=torch.contiguous_format)
-        # Per row tile and column, float32: the bias gradient is one small reduction of these, not one of dh.
-        partial = None if bias is None else torch.empty(
-            triton.cdiv(m, BLOCK_M), h.shape[1], device=h.device, dtype=torch.float32
-        )
+        sums = None if bias is None else _BiasSums(m, ctx.widths, h.device)
         start = 0
         for i, (width, dy) in enumerate(zip(ctx.widths, grads, strict=True)):
             cols = slice(start, start + width)
             if gate is not None and i == 0:  # un-activated here: its gradient is the pre-activation's
-                if partial is not None:  # the gate's bias gradient comes from the gate's consumer
-                    partial[:, cols].zero_()
+                # (and its bias's comes from the gate's consumer: its columns of the totals stay zero)
                 if dy is None:
                     dh[:, cols].zero_()
                 elif not in_place:
                     dh[:, cols].copy_(dy)
             elif dy is None:
                 dh[:, cols].zero_()
-                if partial is not None:
-                    partial[:, cols].zero_()
             elif m and width:
                 dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+                partial, totals, counts = sums.part(i, cols) if sums is not None else (dh, dh, dh)
                 _silu_bwd_kernel[_grid(m, width)](
-                    dy, h[:, cols], h if bias is None else bias[cols], dh[:, cols],
-                    dh if partial is None else partial[:, cols], m, width, dy.stride(0), h.stride(0), dh.stride(0),
-                    0 if partial is None else partial.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-                    BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+                    dy, h[:, cols], h if bias is None else bias[cols], dh[:, cols], partial, totals, counts, m, width,
+                    dy.stride(0), h.stride(0), dh.stride(0), partial.stride(0), totals.stride(0),
+                    counts.stride(0), HAS_BIAS=bias is not None, ATOMIC_TOTALS=sums is None or sums.atomic,
+                    GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
                 )
             start += width
-        return dh, None if partial is None else partial.sum(0).to(bias.dtype), None, None
+        return dh, None if sums is None else sums.total().to(bias.dtype), None, None
+
+
+class _BiasSums:
+    """The backward's bias-gradient buffers: ``[row tiles, N]`` float32 partial sums, per (group of ``GROUP`` row
+    tiles, column tile of a part) an arrival count, and the totals (``[N]``, by atomics) or each group's sums
+    (``[groups, N]``, deterministic), zero-filled in one launch with the counts."""
+
+    def __init__(self, m: int, widths: tuple[int, ...], device: torch.device) -> None:
+        row_tiles = triton.cdiv(m, BLOCK_M)
+        groups = triton.cdiv(row_tiles, GROUP)
+        tiles = [triton.cdiv(w, BLOCK_N) for w in widths]
+        n = sum(widths)
+        self.atomic = not settings.deterministic()
+        sums_shape = (n,) if self.atomic else (max(groups, 1), n)
+        # The counts, then (16-byte aligned) the sums, in one zero fill.
+        counts_len = triton.cdiv(groups * sum(tiles), 4) * 4
+        zeroed = torch.zeros(counts_len + math.prod(sums_shape), device=device, dtype=torch.int32)
+        self.counts = zeroed[: groups * sum(tiles)].view(groups, sum(tiles))
+        self.sums = zeroed[counts_len:].view(torch.float32).view(sums_shape)
+        self.partial = torch.empty(row_tiles, n, device=device, dtype=torch.float32)
+        self.tile_starts = [sum(tiles[:i]) for i in range(len(widths))]
+
+    def part(self, index: int, cols: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(partial, sums, counts)`` of part ``index`` (its columns ``cols``), as its launch indexes them."""
+        return self.partial[:, cols], self.sums[..., cols], self.counts[:, self.tile_starts[index]:]
+
+    def total(self) -> torch.Tensor:
+        """``[N]`` float32: the bias gradient."""
+        return self.sums if self.atomic else self.sums.sum(0)
 
 
 def silu_split(h, widths, bias=None, *, gate_first=False):

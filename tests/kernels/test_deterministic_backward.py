@@ -18,9 +18,10 @@ import pytest
 import torch
 from triton.runtime import interpreter
 
-from kernels import jagged_attention, residual_layer_norm
+from kernels import jagged_attention, residual_layer_norm, silu_split
 from kernels.triton import jagged_attention as triton_backend
 from kernels.triton import layer_norm as triton_ln
+from kernels.triton import silu_split as triton_split
 from kernels.triton.bias_rows import BiasGradRows, sum_position_rows
 
 LEAVES = ("q", "k", "v", "pos_bias", "time_bias")
@@ -250,3 +251,31 @@ def test_modulation_row_sums_of_several_chunks_do_not_depend_on_the_order_progra
     programs_in_reverse()
     for name, a, r in zip(("h", "scale", "shift", "bias"), forward, grads(), strict=True):
         assert torch.equal(a, r), f"{name} changed with the program order"
+
+
+def _silu_split_bias_grad() -> torch.Tensor:
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(77, 50, generator=g, requires_grad=True)
+    bias = torch.randn(50, generator=g, requires_grad=True)
+    parts = silu_split(h, [20, 17, 13], bias=bias, backend="triton")
+    sum((p * torch.randn(p.shape, generator=g)).sum() for p in parts).backward()
+    return bias.grad
+
+
+def test_silu_split_bias_totals_by_atomics_or_in_order_match_and_only_the_ordered_ignore_the_program_order(
+    programs_in_reverse, monkeypatch
+):
+    """The SiLU split's bias gradient: row tiles' column sums added up by the last tile of each group to finish,
+    into the totals by float atomics or stored per group and summed in group order. Both agree; with the programs
+    run last to first the deterministic totals stay bitwise the same."""
+    monkeypatch.setattr(triton_split, "BLOCK_M", 4)
+    monkeypatch.setattr(triton_split, "BLOCK_N", 16)
+    monkeypatch.setattr(triton_split, "GROUP", 3)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", flag)
+        runs[flag] = _silu_split_bias_grad()
+    programs_in_reverse()
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", "1")
+    assert _rel(runs["0"], runs["1"]) < 1e-6
+    assert torch.equal(runs["1"], _silu_split_bias_grad()), "deterministic bias gradient changed with the program order"

@@ -95,10 +95,14 @@ def test_silu_split_reference_adds_the_bias_as_a_gemm_epilogue_does():
         (23, [300, 40, 24, 24], torch.bfloat16),  # a part wider than a column tile
     ],
 )
-def test_silu_split_bias_triton_matches_reference(tokens, widths, dtype, monkeypatch):
-    """The bias's gradient from the per-tile partial sums equals autograd's sum over every token; a part
-    without a gradient contributes zeros to it."""
+@pytest.mark.parametrize("deterministic", ["0", "1"])
+def test_silu_split_bias_triton_matches_reference(tokens, widths, dtype, deterministic, monkeypatch):
+    """The bias's gradient from the per-tile partial sums, added up by groups of row tiles (the last group short)
+    into totals by atomics or per group in order, equals autograd's sum over every token; a part without a
+    gradient contributes zeros to it."""
     monkeypatch.setattr(silu_split_module, "BLOCK_M", 8)
+    monkeypatch.setattr(silu_split_module, "GROUP", 2)
+    monkeypatch.setenv("GEM_KERNELS_DETERMINISTIC", deterministic)
     g = torch.Generator().manual_seed(tokens + len(widths))
     h = _leaf(g, tokens, sum(widths), dtype=dtype)
     bias = _leaf(g, sum(widths))
