@@ -431,7 +431,8 @@ def _bwd_dq_planned_tiles(
     time bias from its row's split buckets (:mod:`kernels.triton.time_tiles`): no per-score bucket, no uniformity
     test, so the tile is as wide as the unbiased pass's and its loop is that pass's plus a compare, a select and two
     row sums per score. Tiles the plan flags ``FLAG_MIXED`` run with dS = 0 (their loads stay unconditional, so
-    the loop pipelines them) and are left to :func:`_bwd_dq_tiles` (``SKIP_PLANNED``). Returns ``(dq, rows[M])``:
+    the loop pipelines them, but read zero keys and values: a pointwise activation's dS is then zero with no select
+    per score) and are left to :func:`_bwd_dq_tiles` (``SKIP_PLANNED``). Returns ``(dq, rows[M])``:
     the rows' dS sums, for the position table's last entry."""
     far_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     rows = q_start + offs_m
@@ -442,17 +443,16 @@ def _bwd_dq_planned_tiles(
         info = split_rows(INFO, rows, q_ok, start_n, L_Q, TILE_K)
         first_bias, last_bias = split_time_bias(info, tb_ptr, bias_scale, PTX)
         split = split_column(info)
-        k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, kv_len, DQK, DV, BLOCK_DQK, BLOCK_DV,
-                               TILE_K)
+        k, v = _load_kv_masked(k_base, v_base, stride_km, stride_vm, start_n, tl.where(keep, kv_len, 0), DQK, DV,
+                               BLOCK_DQK, BLOCK_DV, TILE_K)
         # The position term rides on the rows' time terms: one select per score for both.
         s = add_split_time(tl.dot(q, tl.trans(k)) * qk_scale, cols, split, first_bias + pb_far, last_bias + pb_far)
         dp = tl.dot(do, tl.trans(v))
-        if ACT == 0:
-            ds = tl.math.exp2(s - lse[:, None]) * (dp - delta[:, None])
+        if ACT == 0:  # the softmax's dS of a zero value row is -p * delta, not zero
+            ds = tl.where(keep, tl.math.exp2(s - lse[:, None]) * (dp - delta[:, None]), 0.0)
         else:
             _, dact = _act_fwd_bwd(s, ACT, FAST)
             ds = dp * dact
-        ds = tl.where(keep, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq)
         total = tl.sum(ds, 1)
         before = tl.sum(tl.where(cols[None, :] < split[:, None], ds, 0.0), 1)
