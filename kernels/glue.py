@@ -359,6 +359,29 @@ def silu_split(
     return impl(h, widths, bias, gate_first=gate_first)
 
 
+def sigmoid_gate(x: torch.Tensor, g: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``x * sigmoid(g)``: a self-gate (the InterFormer summary's), one fused pass forward and one backward on the
+    Triton path (the sigmoid in float32) where eager PyTorch runs two and three.
+
+    Args:
+        x: the gated values, any shape.
+        g: the gate's pre-activations, ``x``'s shape.
+        backend: ``"auto"``, ``"pytorch"`` or ``"triton"``.
+
+    Returns:
+        ``x``'s shape, in the promoted dtype of ``x`` and ``g``.
+    """
+    _check_float("x", x, x.device)
+    _check_float("g", g, x.device)
+    if g.shape != x.shape:
+        raise ValueError(f"sigmoid_gate: g {tuple(g.shape)} must have x's shape {tuple(x.shape)}")
+    if _resolve(backend, x) == "triton":
+        from kernels.triton.sigmoid_gate import sigmoid_gate as impl
+    else:
+        from kernels.pytorch.silu_split import sigmoid_gate as impl
+    return impl(x, g)
+
+
 def _dense_strides(size: Sequence[int]) -> tuple[int, ...]:
     """Strides of a contiguous tensor of ``size``."""
     strides, step = [], 1

@@ -15,7 +15,7 @@ from torch import nn
 from foundation.model.jagged import RecentTokens, SuffixLayout, gather_rows
 from foundation.model.norms import add_branch, apply_residual_layer_norm, deferred_bias, fused_dropout
 from foundation.model.profiling import ATTENTION, profile_region
-from kernels import jagged_cross_attention, jagged_silu_modulate, unbind_pair
+from kernels import jagged_cross_attention, jagged_silu_modulate, sigmoid_gate, unbind_pair
 
 
 class PersonalizedFFN(nn.Module):
@@ -201,4 +201,4 @@ class SequenceSummary(nn.Module):
             picked = gather_rows(seq, layout.picks, layout.pick_valid, fill)
         parts = [picked[:, : layout.num_cls], *pooled, picked[:, layout.num_cls :]]
         summary = torch.cat(parts, dim=1)
-        return seq, summary * torch.sigmoid(self.gate(summary))
+        return seq, sigmoid_gate(summary, self.gate(summary))

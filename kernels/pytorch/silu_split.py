@@ -1,4 +1,5 @@
-"""PyTorch reference for the SiLU of a projection split into its parts (the HSTU block's ``u, v, q, k``)."""
+"""PyTorch references for the SiLU of a projection split into its parts (the HSTU block's ``u, v, q, k``) and for
+the sigmoid self-gate ``x * sigmoid(g)`` (the InterFormer summary's)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,9 @@ def silu_split(
     gate = SiluGate(h[:, :width], None if bias is None else bias[:width])
     rest = silu_split(h[:, width:], widths[1:], None if bias is None else bias[width:]) if widths[1:] else ()
     return (gate, *rest)
+
+
+def sigmoid_gate(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(g)`` for ``x`` and ``g`` of one shape, in their promoted dtype, computed in float32 (as the
+    Triton kernel computes it) and rounded once."""
+    return (x.float() * torch.sigmoid(g.float())).to(torch.promote_types(x.dtype, g.dtype))

@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import draw_dropout_mask, jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
+from kernels import (
+    draw_dropout_mask,
+    jagged_silu_modulate,
+    layer_norm,
+    residual_layer_norm,
+    sigmoid_gate,
+    silu_split,
+)
 from kernels.triton import silu_split as silu_split_module
 
 
@@ -122,6 +129,54 @@ def test_silu_split_bias_triton_matches_reference(tokens, widths, dtype, determi
     assert db.dtype == torch.float32
     torch.testing.assert_close(db, ref_db, rtol=_tol(dtype)["rtol"], atol=_tol(dtype)["atol"] * max(tokens, 1))
     assert (db[: widths[0]] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "shape,x_dtype,g_dtype",
+    [
+        ((5, 7, 33), torch.float32, torch.float32),  # several programs' worth with the block patched, a ragged tail
+        ((3, 28, 16), torch.float32, torch.bfloat16),  # the summary's: float32 tokens, a bf16 GEMM's gate under autocast
+        ((4, 9), torch.float16, torch.float16),
+        ((0, 8), torch.float32, torch.float32),  # no tokens
+    ],
+)
+def test_sigmoid_gate_triton_matches_reference_and_eager(shape, x_dtype, g_dtype, monkeypatch):
+    """Output and both gradients of the fused gate against the reference, and against eager ``x * sigmoid(g)``
+    in float32; a non-contiguous gate (a transposed view) is read as it lies."""
+    from kernels.triton import sigmoid_gate as gate_module
+
+    monkeypatch.setattr(gate_module, "BLOCK", 64)
+    g_ = torch.Generator().manual_seed(sum(shape))
+    x = _leaf(g_, *shape, dtype=x_dtype)
+    if len(shape) == 2:
+        gate = torch.randn(*reversed(shape), generator=g_).to(g_dtype).t().requires_grad_(True)
+    else:
+        gate = _leaf(g_, *shape, dtype=g_dtype)
+    upstream = torch.randn(shape, generator=g_)
+    results = {}
+    for backend in ("pytorch", "triton", "eager"):
+        x.grad = gate.grad = None
+        if backend == "eager":
+            out = x.double() * torch.sigmoid(gate.double())
+        else:
+            out = sigmoid_gate(x, gate, backend=backend)
+            assert out.dtype == torch.promote_types(x_dtype, g_dtype)
+        (out.double() * upstream.double()).sum().backward()
+        results[backend] = (out.double(), x.grad.double(), gate.grad.double())
+        assert x.grad.dtype == x_dtype and gate.grad.dtype == g_dtype
+    for name, a, b, e in zip(("y", "dx", "dg"), results["triton"], results["pytorch"], results["eager"], strict=True):
+        narrow = {x_dtype, g_dtype} - {torch.float32}
+        tol = _tol(narrow.pop() if narrow else torch.float32)
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name} vs reference: {m}")
+        torch.testing.assert_close(a, e, **tol, msg=lambda m, name=name: f"{name} vs eager: {m}")
+
+
+def test_sigmoid_gate_rejects_bad_input():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="must have x's shape"):
+        sigmoid_gate(x, torch.randn(4, 5))
+    with pytest.raises(ValueError, match="g must be a floating"):
+        sigmoid_gate(x, torch.ones(4, 6, dtype=torch.long))
 
 
 def test_silu_split_rejects_bad_input():
