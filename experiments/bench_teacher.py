@@ -343,7 +343,7 @@ def train(
     if extra is not None:
         trace["sync_points"] = find_sync_points(step, extra)
     if args.profile:
-        trace["profile"] = profile_steps(step, batches, args.profile, use_cuda, args.profile_top)
+        trace["profile"] = profile_steps(step, batches, args.profile, use_cuda, args.profile_top, args.profile_shapes)
     if args.timeline:
         trace["timeline"] = timeline_steps(step, batches, args.timeline, use_cuda, args.profile_top)
     if args.count_ops:
@@ -448,13 +448,14 @@ def find_sync_points(step, batch) -> list[dict]:
     return points
 
 
-def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) -> dict:
+def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15, shapes: bool = False) -> dict:
     """``torch.profiler`` over the next ``num_steps`` steps: the operators and kernels that took the most
     device time (host time on CPU) as a table, the kernel time by group, and on the GPU the kernels the device ran
-    that no group holds (linked to no host op); printed and kept in the JSON."""
+    that no group holds (linked to no host op); printed and kept in the JSON. ``shapes``: also the ``top`` busiest
+    operators grouped by their inputs' shapes (which of a step's many small ``sum``s or ``copy_``s is which)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
     steps = 0
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=shapes) as prof:
         start = time.perf_counter()
         for _, batch in zip(range(num_steps), batches, strict=False):
             step(batch)
@@ -463,6 +464,12 @@ def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) 
     sort_by = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=20, max_name_column_width=60)
     print(table, flush=True)
+    shape_table = None
+    if shapes:
+        shape_table = prof.key_averages(group_by_input_shape=True).table(
+            sort_by=sort_by, row_limit=top, max_name_column_width=40, max_shapes_column_width=110
+        )
+        print(shape_table, flush=True)
     # Every kernel, to compare their credited time with the device's own records; the JSON keeps the top ones.
     every = kernel_breakdown(prof.events(), on_device=use_cuda, steps=steps, wall_s=wall, top=10**6)
     groups = {**every, "top_kernels": every["top_kernels"][:top]}
@@ -474,7 +481,8 @@ def profile_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) 
         groups_all = with_unattributed(every, missing)
         print("kernel time per step by group, those kernels added by name (ms): "
               + json.dumps({k: round(v, 2) for k, v in groups_all.items()}), flush=True)
-    return {"table": table, "groups": groups, "unattributed_kernels": missing, "groups_ms_per_step_all": groups_all}
+    return {"table": table, "shape_table": shape_table, "groups": groups, "unattributed_kernels": missing,
+            "groups_ms_per_step_all": groups_all}
 
 
 def timeline_steps(step, batches, num_steps: int, use_cuda: bool, top: int = 15) -> dict:
@@ -824,6 +832,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--profile-top", type=int, default=15, help="with --profile, the busiest kernels kept; with --timeline, the gaps"
+    )
+    parser.add_argument(
+        "--profile-shapes", action="store_true",
+        help="with --profile, also print the --profile-top busiest operators grouped by input shape",
     )
     parser.add_argument(
         "--timeline", type=int, default=0, metavar="N",

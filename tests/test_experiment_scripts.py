@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     out, table = tmp_path / "bench.json", tmp_path / "results" / "teacher_mfu.json"
     argv = ["--flavor", "debug", "--steps", "2", "--rows", "256", "--examples", "2000", "--token-budget", "2048",
             "--workers", "0", "--device", "cpu", "--data", str(tmp_path / "world"), "--record", str(table)]
-    assert bench_teacher.main([*argv, "--profile", "1", "--profile-top", "3", "--json", str(out)]) == 0
+    assert bench_teacher.main([*argv, "--profile", "1", "--profile-top", "3", "--profile-shapes", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["steps_run"] == 2 and result["losses_finite"] and result["negatives"] == "batch"
     # The first step's parts: its batch's wait and the step itself (no precompile on CPU), inside its time; with
@@ -115,6 +116,9 @@ def test_bench_teacher_times_steps_and_profiles_the_next_ones(tmp_path):
     assert result["first_step_autotuned"] == []  # nothing tunes on the CPU
     profile = result["trace"]["profile"]
     assert "aten::" in profile["table"] and "Self CPU" in profile["table"]
+    # --profile-shapes: the busiest operators again, each by the shapes of its inputs.
+    assert "Input Shapes" in profile["shape_table"] and "aten::" in profile["shape_table"]
+    assert re.search(r"\[\[\d+, \d+", profile["shape_table"])
     groups = profile["groups"]["groups_ms_per_step"]
     # The debug flavor has every part: each named range and the optimizer's own range get time.
     assert all(groups[g] > 0 for g in ("generative_loss", "attention", "embeddings", "optimizer", "gemm"))
