@@ -1,5 +1,6 @@
 """Dispatchers for the glue around the attention kernels: a fused LayerNorm (alone or after a residual add), a
-per-row SiLU modulation and a split SiLU; and the split of a fused key-value projection (:func:`unbind_pair`).
+per-row SiLU modulation, a split SiLU and a sigmoid self-gate; and the split of a fused key-value projection
+(:func:`unbind_pair`).
 The optimizer's kernels are here too: the multi-tensor AdamW (:func:`multi_adamw`) and the embedding tables' lazy
 row AdamW (:func:`row_adamw`) with its catch-up of missed steps (:func:`catch_up_rows`).
 
