@@ -40,6 +40,7 @@ import torch
 from experiments.kernel_groups import profile_calls
 from foundation.data.io import atomic_write_text
 from kernels import jagged_silu_modulate, layer_norm, residual_layer_norm, silu_split
+from kernels.glue import SiluGate
 from kernels.triton import layer_norm as triton_layer_norm
 from kernels.triton import row_modulate as triton_row_modulate
 from kernels.triton import silu_split as triton_silu_split
@@ -53,9 +54,14 @@ def _with_committed(module, alternatives: list[dict]) -> tuple:
 # Backward launch shapes to time, per kernel module: the committed constants first, then these.
 LAUNCH_SHAPES = {
     "layer_norm": _with_committed(triton_layer_norm, [
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 8}, {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 4}, {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2},
-        {"BWD_WARPS": 16, "BWD_PROGRAMS_PER_SM": 2},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 4},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 8, "BWD_ROWS": 2},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 4},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 4},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2},
+        {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 8, "BWD_ROWS": 2},
     ]),
     "silu_split": _with_committed(triton_silu_split, [
         {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 2},
@@ -109,27 +115,52 @@ def layer_norm_case(tokens: int, width: int, device: torch.device, seed: int) ->
             "upstream": upstream, "bytes_fwd": bytes_fwd, "bytes_bwd": 5 * tokens * width * 2}
 
 
-def residual_case(tokens: int, width: int, device: torch.device, seed: int) -> dict:
-    """Inputs of a block's residual norm: the float32 stream ``x``, the bf16 ``branch`` and its float32 bias; the
-    sum and the bf16 norm both read downstream (one cotangent for the two, concatenated)."""
+def silu_gate_norm_case(tokens: int, width: int, device: torch.device, seed: int) -> dict:
+    """Inputs of the HSTU block's gated norm as the teacher runs it: ``x`` bf16 ``[tokens, width]`` gated by
+    ``silu(h[:, :width] + bias[:width])``, the first columns of the bf16 projection ``[tokens, 4 * width]`` and its
+    float32 bias (a :class:`~kernels.glue.SiluGate`), float32 affine."""
     g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(tokens, width, device=device, generator=g).requires_grad_(True)
+    x = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    h = torch.randn(tokens, 4 * width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    gate_bias = (0.1 * torch.randn(4 * width, device=device, generator=g)).requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
+    bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
+    upstream = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16)
+
+    def run(backend: str) -> torch.Tensor:
+        gate = SiluGate(h[:, :width], gate_bias[:width])
+        return layer_norm(x, weight, bias, 1e-5, gate=gate, out_dtype=torch.bfloat16, backend=backend)
+
+    # Backward reads x, the gate's columns, dout; writes dx and the gate columns' gradient (2 bytes each).
+    return {"leaves": [x, h, gate_bias, weight, bias], "names": ["x", "h", "gate_bias", "weight", "bias"],
+            "run": run, "upstream": upstream, "bytes_fwd": 3 * tokens * width * 2, "bytes_bwd": 5 * tokens * width * 2}
+
+
+def residual_case(tokens: int, width: int, device: torch.device, seed: int,
+                  stream_dtype: torch.dtype = torch.float32) -> dict:
+    """Inputs of a block's residual norm: the stream ``x`` (float32, or bf16 as the teacher's default stream), the
+    bf16 ``branch`` and its float32 bias; the sum and the bf16 norm both read downstream (one cotangent for the two,
+    concatenated)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, width, device=device, generator=g).to(stream_dtype).requires_grad_(True)
     branch = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
     branch_bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
     weight = (1 + 0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
     bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
-    upstream = torch.randn(tokens, 2 * width, device=device, generator=g)
+    upstream = torch.randn(tokens, 2 * width, device=device, generator=g).to(stream_dtype)
 
     def run(backend: str) -> torch.Tensor:
         total, normed = residual_layer_norm(
             x, branch, weight, bias, 1e-5, branch_bias=branch_bias, out_dtype=torch.bfloat16, backend=backend
         )
-        return torch.cat([total, normed.float()], dim=1)
+        return torch.cat([total, normed.to(total.dtype)], dim=1)
 
-    # Forward reads x (4 bytes), the branch (2), writes the sum (4) and the norm (2); backward reads the sum, both
-    # gradients (4 + 4 + 2), writes the stream's and the branch's (4 + 2).
+    # Forward reads x, the branch (2 bytes), writes the sum and the norm (2); backward reads the sum and both
+    # gradients, writes the stream's and the branch's (one tensor when the stream is bf16).
+    s_bytes = torch.tensor([], dtype=stream_dtype).element_size()
+    bytes_bwd = (3 * s_bytes + 2 + (s_bytes + 2 if s_bytes != 2 else 0)) * tokens * width
     return {"leaves": [x, branch, branch_bias, weight, bias], "names": ["x", "branch", "branch_bias", "weight", "bias"],
-            "run": run, "upstream": upstream, "bytes_fwd": 12 * tokens * width, "bytes_bwd": 16 * tokens * width}
+            "run": run, "upstream": upstream, "bytes_fwd": (2 * s_bytes + 4) * tokens * width, "bytes_bwd": bytes_bwd}
 
 
 def modulate_case(tokens: int, width: int, device: torch.device, seed: int, rows_count: int) -> dict:
@@ -168,7 +199,7 @@ def silu_split_case(tokens: int, width: int, device: torch.device, seed: int) ->
 
 def launch_cases(tokens: int, width: int, device: torch.device, rows_count: int) -> dict[str, list[tuple[str, dict]]]:
     """The cases each kernel module's backward is timed on (``--launches``)."""
-    residual = residual_case(tokens, width, device, seed=3)
+    residual = residual_case(tokens, width, device, seed=3, stream_dtype=torch.bfloat16)
     leaves = residual["leaves"]
 
     def run_residual(backend: str) -> tuple[torch.Tensor, ...]:
@@ -177,10 +208,10 @@ def launch_cases(tokens: int, width: int, device: torch.device, rows_count: int)
                                    backend=backend)
 
     up_sum, up_norm = residual["upstream"].split(width, dim=1)
-    residual = dict(residual, run=run_residual, upstream=[up_sum, up_norm.to(torch.bfloat16)])
+    residual = dict(residual, run=run_residual, upstream=[up_sum, up_norm])
     modulate = modulate_case(tokens, width, device, seed=2, rows_count=rows_count)
     return {
-        "layer_norm": [("layer_norm+gate", layer_norm_case(tokens, width, device, seed=1)),
+        "layer_norm": [("layer_norm+silu_gate", silu_gate_norm_case(tokens, width, device, seed=1)),
                        ("residual_norm+bias", residual)],
         "silu_split": [("silu_split+bias", silu_split_case(tokens, width, device, seed=4))],
         "silu_modulate": [("silu_modulate", modulate)],
@@ -221,8 +252,10 @@ def time_backward(case: dict, repeats: int) -> tuple[float, float, list[torch.Te
     return median_ms(backward, repeats), kernel_ms(backward), list(backward())
 
 
-def measure_launches(tokens: int, width: int, device: torch.device, rows_count: int, repeats: int) -> list[dict]:
-    """Each backward at each of its launch shapes, with the copy rate of the device as the ceiling."""
+def measure_launches(tokens: int, width: int, device: torch.device, rows_count: int, repeats: int,
+                     kernels: list[str] | None = None) -> list[dict]:
+    """Each backward (of ``kernels``, default all) at each of its launch shapes, with the copy rate of the device as
+    the ceiling."""
     source = torch.randn(5 * tokens, width, device=device).to(torch.bfloat16)
     target = torch.empty_like(source)
     copy_ms = median_ms(lambda: target.copy_(source), repeats)
@@ -231,6 +264,8 @@ def measure_launches(tokens: int, width: int, device: torch.device, rows_count: 
     cases = launch_cases(tokens, width, device, rows_count)
     committed = {}
     for kernel, (module, shapes) in LAUNCH_SHAPES.items():
+        if kernels and kernel not in kernels:
+            continue
         for index, shape in enumerate(shapes):
             with module_constants(module, shape):
                 for name, case in cases[kernel]:
@@ -301,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="host-timed repeats (CPU only)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--launches", action="store_true", help="time each backward alone at LAUNCH_SHAPES")
+    parser.add_argument("--launch-kernels", nargs="+", choices=list(LAUNCH_SHAPES), default=None,
+                        help="with --launches: only these kernels' backward (default all)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -310,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     width = args.width or (1024 if cuda else 64)
     rows_count = args.rows or (32 if cuda else 4)
     if args.launches:
-        rows = measure_launches(tokens, width, device, rows_count, args.repeats)
+        rows = measure_launches(tokens, width, device, rows_count, args.repeats, args.launch_kernels)
         write_result(args.json, device, tokens, width, rows)
         return 0
     rows = [

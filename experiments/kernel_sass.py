@@ -163,17 +163,18 @@ def report(kernel: str, bias: str, act: int, config: triton.Config, deterministi
             f"{resident_programs(regs, config.num_warps)} programs per SM | {parts}")
 
 
-# The glue kernels' backward as the `large` teacher launches them (float32 stream, bf16 activations, width 1,024), at
-# each launch shape `experiments/bench_glue.py --launches` times: registers bound how many programs an SM holds.
-GLUE_FLOAT32 = {"w_ptr", "b_ptr", "mean_ptr", "rstd_ptr", "partial_ptr", "group_ptr", "sums_ptr", "db_ptr"}
+# The glue kernels' backward as the `large` teacher launches them (bf16 stream and activations, width 1,024), at each
+# launch shape `experiments/bench_glue.py --launches` times: registers bound how many programs an SM holds.
+GLUE_FLOAT32 = {"w_ptr", "b_ptr", "gb_ptr", "mean_ptr", "rstd_ptr", "partial_ptr", "group_ptr", "sums_ptr", "db_ptr"}
+_LN_OFF = dict(HAS_GATE=False, GATE_SILU=False, HAS_GATE_BIAS=False, HAS_DROPOUT=False, HAS_STREAM_GRAD=False,
+               HAS_RESIDUAL=False, HAS_BRANCH_BIAS=False, ATOMIC_TOTALS=True, GROUP=triton_layer_norm.BWD_GROUP,
+               SUMS=3, BLOCK_N=1024)
 GLUE_CASES = {
     "layer_norm": [
-        ("residual", triton_layer_norm._ln_bwd_kernel, {"x_ptr", "ds_ptr", "dx_ptr"},
-         dict(HAS_GATE=False, HAS_DROPOUT=False, HAS_STREAM_GRAD=True, HAS_RESIDUAL=True, HAS_BRANCH_BIAS=True,
-              ATOMIC_TOTALS=True, GROUP=triton_layer_norm.BWD_GROUP, BLOCK_N=1024)),
+        ("residual", triton_layer_norm._ln_bwd_kernel, set(),
+         dict(_LN_OFF, HAS_STREAM_GRAD=True, HAS_BRANCH_BIAS=True)),
         ("gated", triton_layer_norm._ln_bwd_kernel, set(),
-         dict(HAS_GATE=True, HAS_DROPOUT=False, HAS_STREAM_GRAD=False, HAS_RESIDUAL=False, HAS_BRANCH_BIAS=False,
-              ATOMIC_TOTALS=True, GROUP=triton_layer_norm.BWD_GROUP, BLOCK_N=1024)),
+         dict(_LN_OFF, HAS_GATE=True, GATE_SILU=True, HAS_GATE_BIAS=True)),
     ],
     "silu_split": [("bias", triton_silu_split._silu_bwd_kernel, set(),
                     dict(HAS_BIAS=True, ATOMIC_TOTALS=True, GROUP=triton_silu_split.GROUP))],
@@ -185,7 +186,8 @@ SM_REGISTERS, SM_THREADS, SM_PROGRAMS = 65536, 2048, 32
 
 def glue_signature(fn, constexprs: dict, float32_tensors: set) -> tuple[dict, dict]:
     """``*_ptr`` arguments bf16 unless float32 (:data:`GLUE_FLOAT32` and the case's own) or bytes, counters and
-    offsets; scale-like arguments float32; the rest int32."""
+    offsets; scale-like arguments float32; the rest int32, the width and row strides divisible by 16 as the launch
+    specialises them (the loads' vector width follows)."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -199,6 +201,8 @@ def glue_signature(fn, constexprs: dict, float32_tensors: set) -> tuple[dict, di
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in ("scale", "keep_scale", "eps", "scale_offset") else "i32"
+            if name == "N" or name.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
 
@@ -214,6 +218,8 @@ def glue_report(kernel: str, shape: dict) -> list[str]:
     lines = []
     warps = shape.get("BWD_WARPS", shape.get("NUM_WARPS"))
     blocks = {k: v for k, v in shape.items() if k.startswith("BLOCK_")}
+    if "BWD_ROWS" in shape:
+        blocks["ROWS"] = shape["BWD_ROWS"]
     for case, fn, float32_tensors, flags in GLUE_CASES[kernel]:
         constexprs = {**flags, **blocks}
         sig, attrs = glue_signature(fn, constexprs, float32_tensors)

@@ -43,11 +43,10 @@ MAX_N = 16384
 
 
 @triton.jit
-def _gate(g_ptrs, gb_ptrs, mask, GATE_SILU: tl.constexpr, HAS_GATE_BIAS: tl.constexpr):
-    """``(gate, d gate / d pre)`` of a row: the gate as read, or ``silu(pre + bias)`` of its pre-activation."""
-    pre = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+def _gate(pre, gate_bias, GATE_SILU: tl.constexpr, HAS_GATE_BIAS: tl.constexpr):
+    """``(gate, d gate / d pre)`` from the gate as read (float32): itself, or ``silu(pre + gate_bias)``."""
     if HAS_GATE_BIAS:
-        pre += tl.load(gb_ptrs, mask=mask, other=0.0).to(tl.float32)
+        pre += gate_bias
     if GATE_SILU:
         sig = tl.sigmoid(pre)
         return pre * sig, sig * (1.0 + pre * (1.0 - sig))
@@ -81,7 +80,11 @@ def _ln_fwd_kernel(
     b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = centred * rstd * w + b
     if HAS_GATE:
-        y = y * _gate(g_ptr + row * stride_g + cols, gb_ptr + cols, mask, GATE_SILU, HAS_GATE_BIAS)[0]
+        pre = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        gate_bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_GATE_BIAS:
+            gate_bias = tl.load(gb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * _gate(pre, gate_bias, GATE_SILU, HAS_GATE_BIAS)[0]
     if HAS_DROPOUT:
         keep = tl.load(m_ptr + row * stride_m + cols, mask=mask, other=0) != 0
         y = tl.where(keep, y * keep_scale, 0.0)
@@ -98,55 +101,68 @@ def _ln_bwd_kernel(
     stride_dx, stride_dr, stride_dg, scale, keep_scale,
     HAS_GATE: tl.constexpr, GATE_SILU: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, SUMS: tl.constexpr,
-    ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``partial_ptr``: ``[programs, SUMS, N]`` float32 (each program's dw, db and, with a branch bias or a gate
     bias, that bias's gradient: the sum's, or the gate's pre-activation's); ``group_ptr``: ``ATOMIC_TOTALS``:
     ``[SUMS, N]`` float32 zeros, the totals; else ``[groups, SUMS, N]``, each group's sums; ``count_ptr``:
-    ``[groups]`` int32 zeros. ``dg_ptr``: with ``GATE_SILU`` the pre-activation's gradient."""
+    ``[groups]`` int32 zeros. ``dg_ptr``: with ``GATE_SILU`` the pre-activation's gradient.
+
+    Each program walks its ``rows_per_program`` rows ``ROWS`` at a time as one ``[ROWS, BLOCK_N]`` tile: a thread
+    holds the same columns of every row of the tile, so the column sums it adds into ``dw``/``db`` stay in its
+    registers, and ``ROWS`` rows' loads are in flight where one row's were."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    col_mask = cols < N
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    gate_bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    if HAS_GATE_BIAS:
+        gate_bias = tl.load(gb_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dbb = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # int64 bounds make the loop's row index int64 (an int in the interpreter): no row * stride overflow.
+    # int64 bounds make the rows int64 (ints in the interpreter): no row * stride overflow.
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
-    for row in range(first, last):
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32) * scale
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
-        dn = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    for start in range(first, last, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_mask = rows < last
+        mask = row_mask[:, None] & col_mask[None, :]
+        r = rows[:, None]
+        c = cols[None, :]
+        x = tl.load(x_ptr + r * stride_x + c, mask=mask, other=0.0).to(tl.float32) * scale
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        x_hat = tl.where(mask, (x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]) * rstd, 0.0)
+        dn = tl.load(dy_ptr + r * stride_dy + c, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            keep = tl.load(m_ptr + row * stride_m + cols, mask=mask, other=0) != 0
+            keep = tl.load(m_ptr + r * stride_m + c, mask=mask, other=0) != 0
             dn = tl.where(keep, dn * keep_scale, 0.0)
         if HAS_GATE:
-            gate, dgate_dpre = _gate(g_ptr + row * stride_g + cols, gb_ptr + cols, mask, GATE_SILU, HAS_GATE_BIAS)
+            pre = tl.load(g_ptr + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
+            gate, dgate_dpre = _gate(pre, gate_bias, GATE_SILU, HAS_GATE_BIAS)
             dgate = dn * (x_hat * w + b) * dgate_dpre
-            tl.store(dg_ptr + row * stride_dg + cols, dgate.to(dg_ptr.dtype.element_ty), mask=mask)
+            tl.store(dg_ptr + r * stride_dg + c, dgate.to(dg_ptr.dtype.element_ty), mask=mask)
             if HAS_GATE_BIAS:
-                dbb += dgate
+                dbb += tl.sum(dgate, axis=0)
             dn = dn * gate
-        dw += dn * x_hat
-        db += dn
+        dw += tl.sum(dn * x_hat, axis=0)
+        db += tl.sum(dn, axis=0)
         d_hat = dn * w
-        mean_dot = tl.sum(d_hat * x_hat, axis=0) / N
-        mean_d = tl.sum(d_hat, axis=0) / N
+        mean_dot = tl.sum(d_hat * x_hat, axis=1)[:, None] / N
+        mean_d = tl.sum(d_hat, axis=1)[:, None] / N
         dx = (d_hat - x_hat * mean_dot - mean_d) * rstd * scale
         if HAS_STREAM_GRAD:  # the sum's own gradient (the residual stream past this norm) joins the norm's
-            dx += tl.load(ds_ptr + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dx += tl.load(ds_ptr + r * stride_ds + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + r * stride_dx + c, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_RESIDUAL:
-            tl.store(dr_ptr + row * stride_dr + cols, dx.to(dr_ptr.dtype.element_ty), mask=mask)
+            tl.store(dr_ptr + r * stride_dr + c, dx.to(dr_ptr.dtype.element_ty), mask=mask)
         if HAS_BRANCH_BIAS:
-            dbb += dx
-    tl.store(partial_ptr + pid * SUMS * N + cols, dw, mask=mask)
-    tl.store(partial_ptr + (pid * SUMS + 1) * N + cols, db, mask=mask)
+            dbb += tl.sum(dx, axis=0)
+    tl.store(partial_ptr + pid * SUMS * N + cols, dw, mask=col_mask)
+    tl.store(partial_ptr + (pid * SUMS + 1) * N + cols, db, mask=col_mask)
     if SUMS == 3:
-        tl.store(partial_ptr + (pid * SUMS + 2) * N + cols, dbb, mask=mask)
+        tl.store(partial_ptr + (pid * SUMS + 2) * N + cols, dbb, mask=col_mask)
     # Every thread's partial stored before the count is raised (which releases them to the group's last program).
     tl.debug_barrier()
     group = pid // GROUP
@@ -158,20 +174,20 @@ def _ln_bwd_kernel(
         db = tl.zeros((BLOCK_N,), dtype=tl.float32)
         dbb = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for p in range(first_pid, first_pid + size):  # program order, whichever finished last
-            dw += tl.load(partial_ptr + p * SUMS * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-            db += tl.load(partial_ptr + (p * SUMS + 1) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            dw += tl.load(partial_ptr + p * SUMS * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
+            db += tl.load(partial_ptr + (p * SUMS + 1) * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
             if SUMS == 3:
-                dbb += tl.load(partial_ptr + (p * SUMS + 2) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                dbb += tl.load(partial_ptr + (p * SUMS + 2) * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
         if ATOMIC_TOTALS:
-            tl.atomic_add(group_ptr + cols, dw, mask=mask, sem="relaxed")
-            tl.atomic_add(group_ptr + N + cols, db, mask=mask, sem="relaxed")
+            tl.atomic_add(group_ptr + cols, dw, mask=col_mask, sem="relaxed")
+            tl.atomic_add(group_ptr + N + cols, db, mask=col_mask, sem="relaxed")
             if SUMS == 3:
-                tl.atomic_add(group_ptr + 2 * N + cols, dbb, mask=mask, sem="relaxed")
+                tl.atomic_add(group_ptr + 2 * N + cols, dbb, mask=col_mask, sem="relaxed")
         else:
-            tl.store(group_ptr + group * SUMS * N + cols, dw, mask=mask)
-            tl.store(group_ptr + (group * SUMS + 1) * N + cols, db, mask=mask)
+            tl.store(group_ptr + group * SUMS * N + cols, dw, mask=col_mask)
+            tl.store(group_ptr + (group * SUMS + 1) * N + cols, db, mask=col_mask)
             if SUMS == 3:
-                tl.store(group_ptr + (group * SUMS + 2) * N + cols, dbb, mask=mask)
+                tl.store(group_ptr + (group * SUMS + 2) * N + cols, dbb, mask=col_mask)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -180,10 +196,11 @@ def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-# Backward programs per SM, and their warps: each program walks its rows one at a time, so it takes many small
-# programs per SM to keep enough rows' loads in flight (docs/benchmarks.md, session 28).
+# Backward programs per SM, their warps and the rows of their tiles: rows' loads in flight per SM are what the
+# pass waits on, and registers bound them (docs/benchmarks.md, sessions 28, 33 and 54).
 BWD_PROGRAMS_PER_SM = 16
 BWD_WARPS = 2
+BWD_ROWS = 1
 # Programs whose partial sums the last of them to finish adds up.
 BWD_GROUP = 16
 
@@ -240,7 +257,8 @@ def _backward(
     dg = None
     if g2 is not None:
         dg = dg_out if dg_out is not None else torch.empty(m, n, device=x2.device, dtype=gate_dtype)
-    programs = _num_programs(m, x2.device)
+    rows_per_program = max(1, triton.cdiv(triton.cdiv(m, _num_programs(m, x2.device)), BWD_ROWS)) * BWD_ROWS
+    programs = max(1, triton.cdiv(m, rows_per_program))
     groups = triton.cdiv(programs, BWD_GROUP)
     # Each program's partial sums of dw, db (and the residual bias's or the gate bias's gradient) lie side by side;
     # the groups' sums go into the totals by atomics, or are stored per group and summed here (deterministic).
@@ -260,12 +278,12 @@ def _backward(
         _ln_bwd_kernel[(programs,)](
             dy2, x2, weight, bias, _or(g2, x2), _or(gate_bias, weight), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx,
             _or(dr, dx), _or(dg, dx), partial, group_sums, counts, m, n,
-            triton.cdiv(m, programs), dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
+            rows_per_program, dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
             dx.stride(0), _stride(dr), _stride(dg), scale, keep_scale,
             HAS_GATE=g2 is not None, GATE_SILU=gate_silu, HAS_GATE_BIAS=gate_bias is not None,
             HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None, HAS_RESIDUAL=dr is not None,
             HAS_BRANCH_BIAS=residual_bias_dtype is not None, SUMS=sums, ATOMIC_TOTALS=atomic, GROUP=BWD_GROUP,
-            BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
+            ROWS=BWD_ROWS, BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
     totals = group_sums if atomic else group_sums.sum(0)
     dthird = totals[2].to(third_dtype) if sums == 3 else None
