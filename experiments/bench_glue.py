@@ -54,14 +54,17 @@ def _with_committed(module, alternatives: list[dict]) -> tuple:
 # Backward launch shapes to time, per kernel module: the committed constants first, then these.
 LAUNCH_SHAPES = {
     "layer_norm": _with_committed(triton_layer_norm, [
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 4},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 8, "BWD_ROWS": 2},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 4},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 4},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2},
-        {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 8, "BWD_ROWS": 2},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 1},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 3},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 4},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2, "BWD_STAGES": 1},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2, "BWD_STAGES": 2},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2, "BWD_STAGES": 3},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 3, "BWD_ROWS": 2, "BWD_STAGES": 3},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 2, "BWD_STAGES": 3},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 2, "BWD_STAGES": 4},
+        {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 8, "BWD_ROWS": 1, "BWD_STAGES": 3},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 1, "BWD_ROWS": 4, "BWD_STAGES": 3},
     ]),
     "silu_split": _with_committed(triton_silu_split, [
         {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 2},

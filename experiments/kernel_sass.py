@@ -219,7 +219,7 @@ def glue_report(kernel: str, shape: dict) -> list[str]:
     warps = shape.get("BWD_WARPS", shape.get("NUM_WARPS"))
     blocks = {k: v for k, v in shape.items() if k.startswith("BLOCK_")}
     if "BWD_ROWS" in shape:
-        blocks["ROWS"] = shape["BWD_ROWS"]
+        blocks.update(ROWS=shape["BWD_ROWS"], STAGES=shape["BWD_STAGES"])
     for case, fn, float32_tensors, flags in GLUE_CASES[kernel]:
         constexprs = {**flags, **blocks}
         sig, attrs = glue_signature(fn, constexprs, float32_tensors)
@@ -228,8 +228,8 @@ def glue_report(kernel: str, shape: dict) -> list[str]:
         regs, stack, _ = resource_usage(compiled)
         resident = resident_programs(regs, warps)
         text = " ".join(f"{k}={v}" for k, v in shape.items())
-        lines.append(f"{kernel} {case:8s} {text:48s} regs {regs:3d} stack {stack:3d}: {resident} programs "
-                     f"({resident * warps} warps) per SM")
+        lines.append(f"{kernel} {case:8s} {text:64s} regs {regs:3d} stack {stack:3d} smem {compiled.metadata.shared:6d}: "
+                     f"{resident} programs ({resident * warps} warps) per SM")
     return lines
 
 

@@ -101,7 +101,8 @@ def _ln_bwd_kernel(
     stride_dx, stride_dr, stride_dg, scale, keep_scale,
     HAS_GATE: tl.constexpr, GATE_SILU: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_STREAM_GRAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BRANCH_BIAS: tl.constexpr, SUMS: tl.constexpr,
-    ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """``partial_ptr``: ``[programs, SUMS, N]`` float32 (each program's dw, db and, with a branch bias or a gate
     bias, that bias's gradient: the sum's, or the gate's pre-activation's); ``group_ptr``: ``ATOMIC_TOTALS``:
@@ -110,7 +111,9 @@ def _ln_bwd_kernel(
 
     Each program walks its ``rows_per_program`` rows ``ROWS`` at a time as one ``[ROWS, BLOCK_N]`` tile: a thread
     holds the same columns of every row of the tile, so the column sums it adds into ``dw``/``db`` stay in its
-    registers, and ``ROWS`` rows' loads are in flight where one row's were."""
+    registers. With ``STAGES > 1`` the loop is software-pipelined: the next ``STAGES - 1`` tiles' loads are copied
+    into shared memory (``cp.async``) while this one is computed, so the loads in flight are not bounded by the
+    registers that the accumulators and the row being computed hold."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -125,7 +128,7 @@ def _ln_bwd_kernel(
     # int64 bounds make the rows int64 (ints in the interpreter): no row * stride overflow.
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
-    for start in range(first, last, ROWS):
+    for start in tl.range(first, last, ROWS, num_stages=STAGES):
         rows = start + tl.arange(0, ROWS)
         row_mask = rows < last
         mask = row_mask[:, None] & col_mask[None, :]
@@ -196,11 +199,12 @@ def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-# Backward programs per SM, their warps and the rows of their tiles: rows' loads in flight per SM are what the
-# pass waits on, and registers bound them (docs/benchmarks.md, sessions 28, 33 and 54).
+# Backward programs per SM, their warps, the rows of their tiles and the tiles in flight: the loads in flight per SM
+# are what the pass waits on (docs/benchmarks.md, sessions 28, 33 and 54).
 BWD_PROGRAMS_PER_SM = 16
 BWD_WARPS = 2
 BWD_ROWS = 1
+BWD_STAGES = 1
 # Programs whose partial sums the last of them to finish adds up.
 BWD_GROUP = 16
 
@@ -283,7 +287,7 @@ def _backward(
             HAS_GATE=g2 is not None, GATE_SILU=gate_silu, HAS_GATE_BIAS=gate_bias is not None,
             HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None, HAS_RESIDUAL=dr is not None,
             HAS_BRANCH_BIAS=residual_bias_dtype is not None, SUMS=sums, ATOMIC_TOTALS=atomic, GROUP=BWD_GROUP,
-            ROWS=BWD_ROWS, BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
+            ROWS=BWD_ROWS, STAGES=BWD_STAGES, BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
     totals = group_sums if atomic else group_sums.sum(0)
     dthird = totals[2].to(third_dtype) if sums == 3 else None
