@@ -387,16 +387,17 @@ def test_residual_layer_norm_reference_adds_the_branch_bias():
 
 
 @pytest.mark.parametrize(
-    "tokens,n,dtype,programs",
+    "tokens,n,dtype,programs,rows",
     [
-        (13, 48, torch.float32, None),
-        (0, 40, torch.float32, None),
-        (7, 96, torch.bfloat16, None),  # the teacher's: a bf16 branch on a float32 stream under autocast
-        (203, 72, torch.float32, 37),  # two full groups of programs and a short one (as on the GPU)
+        (13, 48, torch.float32, None, 1),
+        (0, 40, torch.float32, None, 1),
+        (7, 96, torch.bfloat16, None, 1),  # the teacher's: a bf16 branch on a float32 stream under autocast
+        (203, 72, torch.float32, 37, 1),  # two full groups of programs and a short one (as on the GPU)
+        (203, 72, torch.float32, 37, 4),  # ... on 4-row tiles (26 programs of 8 rows, the last of 3)
     ],
 )
 @pytest.mark.parametrize("use", ["norm", "norm+stream", "stream", "norm+picks", "picks"])
-def test_residual_layer_norm_branch_bias_gradient_is_the_sums(monkeypatch, tokens, n, dtype, programs, use):
+def test_residual_layer_norm_branch_bias_gradient_is_the_sums(monkeypatch, tokens, n, dtype, programs, rows, use):
     """The branch's bias added in the norm's pass: the sum, the norm and every gradient against the reference (whose
     bias gradient is autograd's reduction of the sum's gradient), whichever of the sum, the norm and picked rows are
     read downstream; the bias gradient from the kernel's partial sums, the picked rows' added on the host, or, with
@@ -405,6 +406,7 @@ def test_residual_layer_norm_branch_bias_gradient_is_the_sums(monkeypatch, token
 
     if programs:
         monkeypatch.setattr(triton_ln, "_num_programs", lambda m, device: programs)
+    monkeypatch.setattr(triton_ln, "BWD_ROWS", rows)
     picks = torch.tensor([3, 0, 5, 3]) if "picks" in use and tokens else None
     results = {}
     for backend in ("pytorch", "triton"):

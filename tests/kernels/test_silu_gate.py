@@ -76,6 +76,24 @@ def test_triton_gate_matches_the_reference_and_the_gate_as_a_tensor(tokens, dtyp
             torch.testing.assert_close(a, b, **_tol(dtype))
 
 
+@pytest.mark.parametrize(("tokens", "programs", "rows", "stages"), [(37, 4, 2, 2), (70, 16, 4, 3), (2, 4, 4, 2)])
+def test_row_tiles_of_the_norm_backward_match_the_reference(monkeypatch, tokens, programs, rows, stages):
+    """The norm's backward on ``[rows, N]`` tiles (a power of 2), pipelined (``BWD_ROWS``, ``BWD_STAGES``; the interpreter runs the
+    loop unpipelined): rows not a multiple of the tile (a short last tile, a program with fewer rows than one tile),
+    every gradient against the reference."""
+    from kernels.triton import layer_norm as triton_ln
+
+    monkeypatch.setattr(triton_ln, "_num_programs", lambda m, device: programs)
+    monkeypatch.setattr(triton_ln, "BWD_ROWS", rows)
+    monkeypatch.setattr(triton_ln, "BWD_STAGES", stages)
+    inputs = _block(tokens, torch.float32, with_bias=True, dropout=True, seed=tokens)
+    ref_y, ref_grads = _run(inputs, split_backend="pytorch", norm_backend="pytorch")
+    y, grads = _run(inputs, split_backend="triton", norm_backend="triton")
+    torch.testing.assert_close(y, ref_y, **_tol(torch.float32))
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, **_tol(torch.float32))
+
+
 @pytest.mark.parametrize(("split_backend", "norm_backend"), [("triton", "pytorch"), ("pytorch", "triton")])
 def test_mixed_backends_agree(split_backend, norm_backend):
     """A gate whose gradient is not written in place (another consumer) is copied into the projection's."""
