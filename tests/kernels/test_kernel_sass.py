@@ -60,6 +60,8 @@ def test_resident_programs_follow_the_registers_the_threads_and_the_slots():
 GLUE_REPORT = """
 from experiments.kernel_sass import glue_report
 print("\\n".join(glue_report("silu_split", {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 4})))
+shape = {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2, "BWD_STAGES": 2}
+print("\\n".join(glue_report("layer_norm", shape)))
 """
 
 
@@ -69,7 +71,12 @@ def test_glue_report_compiles_a_backward_for_sm90_and_counts_what_an_sm_holds():
     done = subprocess.run([sys.executable, "-c", GLUE_REPORT], env=env, capture_output=True, text=True, timeout=600,
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    match = re.search(r"regs\s+(\d+) stack\s+(\d+): (\d+) programs \((\d+) warps\) per SM", done.stdout)
-    assert match, done.stdout
-    regs, _, programs, warps = map(int, match.groups())
-    assert 0 < regs <= 255 and programs == resident_programs(regs, 4) and warps == 4 * programs
+    found = re.findall(r"(\w+) +(\w+) .* regs\s+(\d+) stack\s+(\d+) smem\s+(\d+): (\d+) programs \((\d+) warps\) per SM",
+                       done.stdout)
+    assert [(kernel, case) for kernel, case, *_ in found] == [
+        ("silu_split", "bias"), ("layer_norm", "residual"), ("layer_norm", "gated")], done.stdout
+    for kernel, _, *counts in found:
+        regs, _, smem, programs, warps = map(int, counts)
+        assert 0 < regs <= 255 and programs == resident_programs(regs, 4) and warps == 4 * programs
+        if kernel == "layer_norm":  # two stages: the next tile's rows copied into shared memory
+            assert smem >= 2 * 1024 * 2 * 2, smem
