@@ -71,10 +71,14 @@ LAUNCH_SHAPES = {
         {"BLOCK_M": 32, "BLOCK_N": 128, "NUM_WARPS": 8}, {"BLOCK_M": 8, "BLOCK_N": 256, "NUM_WARPS": 2},
     ]),
     "silu_modulate": _with_committed(triton_row_modulate, [
-        {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4}, {"BLOCK_L": 64, "BLOCK_N": 64, "NUM_WARPS": 8},
-        {"BLOCK_L": 32, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_L": 16, "BLOCK_N": 128, "NUM_WARPS": 4},
-        {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 4}, {"BLOCK_L": 32, "BLOCK_N": 32, "NUM_WARPS": 4},
-        {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 2},
+        {"BLOCK_L": 64, "BLOCK_N": 32, "NUM_WARPS": 4, "STAGES": 2},
+        {"BLOCK_L": 64, "BLOCK_N": 32, "NUM_WARPS": 4, "STAGES": 3},
+        {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4, "STAGES": 1},
+        {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4, "STAGES": 3},
+        {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 4, "STAGES": 3},
+        {"BLOCK_L": 16, "BLOCK_N": 128, "NUM_WARPS": 4, "STAGES": 3},
+        {"BLOCK_L": 32, "BLOCK_N": 32, "NUM_WARPS": 4, "STAGES": 3},
+        {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 2, "STAGES": 3},
     ]),
 }
 

@@ -220,6 +220,8 @@ def glue_report(kernel: str, shape: dict) -> list[str]:
     blocks = {k: v for k, v in shape.items() if k.startswith("BLOCK_")}
     if "BWD_ROWS" in shape:
         blocks.update(ROWS=shape["BWD_ROWS"], STAGES=shape["BWD_STAGES"])
+    if "STAGES" in shape:
+        blocks["STAGES"] = shape["STAGES"]
     for case, fn, float32_tensors, flags in GLUE_CASES[kernel]:
         constexprs = {**flags, **blocks}
         sig, attrs = glue_signature(fn, constexprs, float32_tensors)

@@ -37,6 +37,9 @@ BLOCK_N = 32
 NUM_WARPS = 4
 # Token tiles per chunk: a program walks at most this many (module doc).
 CHUNK_TILES = 4
+# Tiles whose loads are in flight at once: above 1 the walk is software-pipelined, the next tiles' loads copied into
+# shared memory while this one is computed (docs/benchmarks.md, session 54).
+STAGES = 1
 
 
 @triton.jit
@@ -67,6 +70,7 @@ def _modulate_fwd_kernel(
     h_ptr, scale_ptr, shift_ptr, b_ptr, offsets_ptr, chunk_row_ptr, chunk_first_ptr, m_ptr, y_ptr, B, N, stride_h,
     stride_s, stride_t, stride_m, stride_y, keep_scale, scale_offset, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_TILES: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     if tl.load(chunk_row_ptr + tl.program_id(0)) >= B:  # past the last chunk
         return
@@ -75,7 +79,7 @@ def _modulate_fwd_kernel(
         BLOCK_N, CHUNK_TILES,
     )
     c = tl.load(shift_ptr + row * stride_t + cols, mask=col_ok, other=0.0).to(tl.float32)
-    for first in range(start, end, BLOCK_L):
+    for first in tl.range(start, end, BLOCK_L, num_stages=STAGES):
         tokens = (first + tl.arange(0, BLOCK_L)).to(tl.int64)
         mask = (tokens < end)[:, None] & col_ok[None, :]
         h = tl.load(h_ptr + tokens[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -92,7 +96,7 @@ def _modulate_bwd_kernel(
     dy_ptr, h_ptr, scale_ptr, b_ptr, offsets_ptr, chunk_row_ptr, chunk_first_ptr, m_ptr, dh_ptr, dscale_ptr,
     dshift_ptr, db_ptr, partial_ptr, count_ptr, B, N, stride_dy, stride_h, stride_s, stride_m, stride_dh, keep_scale,
     scale_offset, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK_TILES: tl.constexpr,
+    CHUNK_TILES: tl.constexpr, STAGES: tl.constexpr,
 ):
     """``partial_ptr``: ``[chunks, 3, N]`` float32, each chunk's sums (rows of several chunks); ``count_ptr``:
     ``[B, column blocks]`` int32 zeros."""
@@ -105,7 +109,7 @@ def _modulate_bwd_kernel(
     acc_scale = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     acc_shift = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
     acc_bias = tl.zeros((BLOCK_L, BLOCK_N), dtype=tl.float32)
-    for first in range(start, end, BLOCK_L):
+    for first in tl.range(start, end, BLOCK_L, num_stages=STAGES):
         tokens = (first + tl.arange(0, BLOCK_L)).to(tl.int64)
         mask = (tokens < end)[:, None] & col_ok[None, :]
         dy = tl.load(dy_ptr + tokens[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -154,9 +158,10 @@ def _unit_columns(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_shape(tokens: int, batch: int, n: int) -> tuple[tuple[int, int], dict]:
-    """``((chunks at most, column blocks), {BLOCK_L, BLOCK_N, CHUNK_TILES, num_warps})``."""
+    """``((chunks at most, column blocks), {BLOCK_L, BLOCK_N, CHUNK_TILES, STAGES, num_warps})``."""
     block_n = min(BLOCK_N, triton.next_power_of_2(max(n, 1)))
-    blocks = {"BLOCK_L": BLOCK_L, "BLOCK_N": block_n, "CHUNK_TILES": CHUNK_TILES, "num_warps": NUM_WARPS}
+    blocks = {"BLOCK_L": BLOCK_L, "BLOCK_N": block_n, "CHUNK_TILES": CHUNK_TILES, "STAGES": STAGES,
+              "num_warps": NUM_WARPS}
     return (max_chunks(tokens, batch), triton.cdiv(n, block_n)), blocks
 
 

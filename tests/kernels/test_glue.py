@@ -148,12 +148,14 @@ def test_silu_modulate_reference_is_silu_then_row_affine():
     ],
 )
 @pytest.mark.parametrize(
-    "block_l,chunk_tiles",
-    [(row_modulate.BLOCK_L, row_modulate.CHUNK_TILES), (4, row_modulate.CHUNK_TILES), (4, 1)],
-)  # 4: several token tiles per row, and rows of several chunks of 16 or of 4 tokens
-def test_silu_modulate_triton_matches_reference(lengths, n, dtype, block_l, chunk_tiles, monkeypatch):
+    "block_l,chunk_tiles,stages",
+    [(row_modulate.BLOCK_L, row_modulate.CHUNK_TILES, row_modulate.STAGES), (4, row_modulate.CHUNK_TILES, 1), (4, 1, 1),
+     (4, row_modulate.CHUNK_TILES, 3)],
+)  # 4: several token tiles per row, and rows of several chunks of 16 or of 4 tokens; 3 stages: the pipelined walk
+def test_silu_modulate_triton_matches_reference(lengths, n, dtype, block_l, chunk_tiles, stages, monkeypatch):
     monkeypatch.setattr(row_modulate, "BLOCK_L", block_l)
     monkeypatch.setattr(row_modulate, "CHUNK_TILES", chunk_tiles)
+    monkeypatch.setattr(row_modulate, "STAGES", stages)
     g = torch.Generator().manual_seed(sum(lengths) + n)
     rows = _rows(lengths)
     h = _leaf(g, rows.numel(), n, dtype=dtype)
