@@ -54,31 +54,21 @@ def _with_committed(module, alternatives: list[dict]) -> tuple:
 # Backward launch shapes to time, per kernel module: the committed constants first, then these.
 LAUNCH_SHAPES = {
     "layer_norm": _with_committed(triton_layer_norm, [
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 1},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 3},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 4},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2, "BWD_STAGES": 1},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2, "BWD_STAGES": 2},
-        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 2, "BWD_STAGES": 3},
+        {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 16, "BWD_ROWS": 1, "BWD_STAGES": 1},
         {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 3, "BWD_ROWS": 2, "BWD_STAGES": 3},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 2, "BWD_STAGES": 3},
         {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 2, "BWD_STAGES": 4},
-        {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 8, "BWD_ROWS": 1, "BWD_STAGES": 3},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 1, "BWD_ROWS": 4, "BWD_STAGES": 3},
+        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 3, "BWD_ROWS": 2, "BWD_STAGES": 3},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 3},
     ]),
     "silu_split": _with_committed(triton_silu_split, [
         {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 4}, {"BLOCK_M": 16, "BLOCK_N": 128, "NUM_WARPS": 2},
         {"BLOCK_M": 32, "BLOCK_N": 128, "NUM_WARPS": 8}, {"BLOCK_M": 8, "BLOCK_N": 256, "NUM_WARPS": 2},
     ]),
     "silu_modulate": _with_committed(triton_row_modulate, [
-        {"BLOCK_L": 64, "BLOCK_N": 32, "NUM_WARPS": 4, "STAGES": 2},
+        {"BLOCK_L": 64, "BLOCK_N": 32, "NUM_WARPS": 4, "STAGES": 1},
         {"BLOCK_L": 64, "BLOCK_N": 32, "NUM_WARPS": 4, "STAGES": 3},
-        {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4, "STAGES": 1},
-        {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4, "STAGES": 3},
-        {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 4, "STAGES": 3},
-        {"BLOCK_L": 16, "BLOCK_N": 128, "NUM_WARPS": 4, "STAGES": 3},
-        {"BLOCK_L": 32, "BLOCK_N": 32, "NUM_WARPS": 4, "STAGES": 3},
         {"BLOCK_L": 16, "BLOCK_N": 64, "NUM_WARPS": 2, "STAGES": 3},
+        {"BLOCK_L": 32, "BLOCK_N": 64, "NUM_WARPS": 4, "STAGES": 4},
     ]),
 }
 
@@ -124,22 +114,24 @@ def layer_norm_case(tokens: int, width: int, device: torch.device, seed: int) ->
 
 def silu_gate_norm_case(tokens: int, width: int, device: torch.device, seed: int) -> dict:
     """Inputs of the HSTU block's gated norm as the teacher runs it: ``x`` bf16 ``[tokens, width]`` gated by
-    ``silu(h[:, :width] + bias[:width])``, the first columns of the bf16 projection ``[tokens, 4 * width]`` and its
-    float32 bias (a :class:`~kernels.glue.SiluGate`), float32 affine."""
+    ``silu(pre + bias)`` (a :class:`~kernels.glue.SiluGate`: the projection's bf16 gate columns and their float32
+    bias), float32 affine. ``pre`` is a tensor of its own here: as a view of a wider leaf its gradient would be
+    scattered into that leaf by autograd (a zero fill and a copy of the whole projection's gradient, which the
+    teacher's split never runs: the norm writes into the projection's gradient in place)."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
-    h = torch.randn(tokens, 4 * width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
-    gate_bias = (0.1 * torch.randn(4 * width, device=device, generator=g)).requires_grad_(True)
+    pre = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+    gate_bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
     weight = (1 + 0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
     bias = (0.1 * torch.randn(width, device=device, generator=g)).requires_grad_(True)
     upstream = torch.randn(tokens, width, device=device, generator=g).to(torch.bfloat16)
 
     def run(backend: str) -> torch.Tensor:
-        gate = SiluGate(h[:, :width], gate_bias[:width])
-        return layer_norm(x, weight, bias, 1e-5, gate=gate, out_dtype=torch.bfloat16, backend=backend)
+        return layer_norm(x, weight, bias, 1e-5, gate=SiluGate(pre, gate_bias), out_dtype=torch.bfloat16,
+                          backend=backend)
 
-    # Backward reads x, the gate's columns, dout; writes dx and the gate columns' gradient (2 bytes each).
-    return {"leaves": [x, h, gate_bias, weight, bias], "names": ["x", "h", "gate_bias", "weight", "bias"],
+    # Backward reads x, the gate's pre-activation, dout; writes dx and the pre-activation's gradient (2 bytes each).
+    return {"leaves": [x, pre, gate_bias, weight, bias], "names": ["x", "pre", "gate_bias", "weight", "bias"],
             "run": run, "upstream": upstream, "bytes_fwd": 3 * tokens * width * 2, "bytes_bwd": 5 * tokens * width * 2}
 
 

@@ -201,10 +201,10 @@ def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
 
 # Backward programs per SM, their warps, the rows of their tiles and the tiles in flight: the loads in flight per SM
 # are what the pass waits on (docs/benchmarks.md, sessions 28, 33 and 54).
-BWD_PROGRAMS_PER_SM = 16
-BWD_WARPS = 2
-BWD_ROWS = 1
-BWD_STAGES = 1
+BWD_PROGRAMS_PER_SM = 2
+BWD_WARPS = 8
+BWD_ROWS = 2
+BWD_STAGES = 3
 # Programs whose partial sums the last of them to finish adds up.
 BWD_GROUP = 16
 

@@ -32,14 +32,14 @@ from kernels.triton.per_batch import per_batch
 # Token tile x column block. 32 columns give a batch of a few long rows (4,096-event histories, B of 4)
 # 32 programs per row; fixed sizes compile once, whatever the batch (module constants, so that
 # `experiments/bench_glue.py --launches` can time others through the real op).
-BLOCK_L = 64
-BLOCK_N = 32
+BLOCK_L = 32
+BLOCK_N = 64
 NUM_WARPS = 4
 # Token tiles per chunk: a program walks at most this many (module doc).
 CHUNK_TILES = 4
 # Tiles whose loads are in flight at once: above 1 the walk is software-pipelined, the next tiles' loads copied into
 # shared memory while this one is computed (docs/benchmarks.md, session 54).
-STAGES = 1
+STAGES = 3
 
 
 @triton.jit
