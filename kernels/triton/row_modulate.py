@@ -29,9 +29,9 @@ import triton.language as tl
 
 from kernels.triton.per_batch import per_batch
 
-# Token tile x column block. 32 columns give a batch of a few long rows (4,096-event histories, B of 4)
-# 32 programs per row; fixed sizes compile once, whatever the batch (module constants, so that
-# `experiments/bench_glue.py --launches` can time others through the real op).
+# Token tile x column block: rows cut into chunks of 128 tokens give a batch of a few long rows (4,096-event
+# histories, B of 4) 512 programs per row; fixed sizes compile once, whatever the batch (module constants, so that
+# `experiments/bench_glue.py --launches` can time others through the real op; docs/benchmarks.md, session 54).
 BLOCK_L = 32
 BLOCK_N = 64
 NUM_WARPS = 4
