@@ -56,8 +56,7 @@ LAUNCH_SHAPES = {
     "layer_norm": _with_committed(triton_layer_norm, [
         {"BWD_WARPS": 2, "BWD_PROGRAMS_PER_SM": 16, "BWD_ROWS": 1, "BWD_STAGES": 1},
         {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 3, "BWD_ROWS": 2, "BWD_STAGES": 3},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 2, "BWD_STAGES": 4},
-        {"BWD_WARPS": 8, "BWD_PROGRAMS_PER_SM": 3, "BWD_ROWS": 2, "BWD_STAGES": 3},
+        {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 2, "BWD_ROWS": 2, "BWD_STAGES": 4},
         {"BWD_WARPS": 4, "BWD_PROGRAMS_PER_SM": 4, "BWD_ROWS": 1, "BWD_STAGES": 3},
     ]),
     "silu_split": _with_committed(triton_silu_split, [

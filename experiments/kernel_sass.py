@@ -218,8 +218,9 @@ def glue_report(kernel: str, shape: dict) -> list[str]:
     lines = []
     warps = shape.get("BWD_WARPS", shape.get("NUM_WARPS"))
     blocks = {k: v for k, v in shape.items() if k.startswith("BLOCK_")}
-    if "BWD_ROWS" in shape:
+    if "BWD_ROWS" in shape:  # the norm's launch caps its warps by the row's width, as the real launch does
         blocks.update(ROWS=shape["BWD_ROWS"], STAGES=shape["BWD_STAGES"])
+        warps = min(warps, triton_layer_norm._num_warps(_LN_OFF["BLOCK_N"]))
     if "STAGES" in shape:
         blocks["STAGES"] = shape["STAGES"]
     for case, fn, float32_tensors, flags in GLUE_CASES[kernel]:

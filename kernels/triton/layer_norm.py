@@ -199,10 +199,10 @@ def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-# Backward programs per SM, their warps, the rows of their tiles and the tiles in flight: the loads in flight per SM
-# are what the pass waits on (docs/benchmarks.md, sessions 28, 33 and 54).
+# Backward programs per SM, their warps (at most width / 256: `_num_warps`), the rows of their tiles and the tiles in
+# flight: the loads in flight per SM are what the pass waits on (docs/benchmarks.md, sessions 28, 33 and 54).
 BWD_PROGRAMS_PER_SM = 2
-BWD_WARPS = 8
+BWD_WARPS = 4
 BWD_ROWS = 2
 BWD_STAGES = 3
 # Programs whose partial sums the last of them to finish adds up.
