@@ -153,10 +153,10 @@ def residual_case(tokens: int, width: int, device: torch.device, seed: int,
         )
         return torch.cat([total, normed.to(total.dtype)], dim=1)
 
-    # Forward reads x, the branch (2 bytes), writes the sum and the norm (2); backward reads the sum and both
-    # gradients, writes the stream's and the branch's (one tensor when the stream is bf16).
+    # Forward reads x, the branch (2 bytes), writes the sum and the norm (2); backward reads the sum, the sum's
+    # gradient and the norm's (2), writes the stream's and the branch's (2; one tensor when the stream is bf16).
     s_bytes = torch.tensor([], dtype=stream_dtype).element_size()
-    bytes_bwd = (3 * s_bytes + 2 + (s_bytes + 2 if s_bytes != 2 else 0)) * tokens * width
+    bytes_bwd = (3 * s_bytes + 2 + (2 if s_bytes != 2 else 0)) * tokens * width
     return {"leaves": [x, branch, branch_bias, weight, bias], "names": ["x", "branch", "branch_bias", "weight", "bias"],
             "run": run, "upstream": upstream, "bytes_fwd": (2 * s_bytes + 4) * tokens * width, "bytes_bwd": bytes_bwd}
 
