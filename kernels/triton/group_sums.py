@@ -7,7 +7,7 @@ partials in program order (:func:`sum_partials`), whichever finished first, then
 float atomics, or, with ``GEM_KERNELS_DETERMINISTIC=1``, stores it as the group's row for the host to add in order
 (:func:`put_group_sum`, :meth:`GroupSums.total`): the gradients then do not depend on which group finished first.
 Used by :mod:`kernels.triton.layer_norm` and :mod:`kernels.triton.silu_split`; the per-row modulation
-(:mod:`kernels.triton.row_modulate`) counts its chunks' arrivals with the first two.
+(:mod:`kernels.triton.row_modulate`) counts its chunks' arrivals with :func:`arrived_last`.
 
 Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
@@ -33,23 +33,25 @@ def arrived_last(count_ptr, programs):
 
 
 @triton.jit
-def sum_partials(partial_ptr, stride, first, count, cols, mask, BLOCK_N: tl.constexpr):
-    """``[BLOCK_N]`` float32: the partial sums ``partial_ptr + p * stride + cols`` of programs ``p`` in
-    ``[first, first + count)``, added in that order. Read past L1 (``.cg``): other SMs wrote them."""
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+def sum_partials(partial_ptr, stride, first, count, offsets, mask):
+    """Float32, ``offsets``' shape: the partial sums ``partial_ptr + p * stride + offsets`` of programs ``p`` in
+    ``[first, first + count)``, added in that order. A program's several sums go in as one block (e.g. ``[sums,
+    N]``), so that each step of the loop issues all of their loads at once. Read past L1 (``.cg``): other SMs
+    wrote them."""
+    total = tl.zeros(offsets.shape, dtype=tl.float32)
     for p in range(first, first + count):
-        total += tl.load(partial_ptr + p * stride + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        total += tl.load(partial_ptr + p * stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
     return total
 
 
 @triton.jit
-def put_group_sum(sums_ptr, stride, group, total, cols, mask, ATOMIC_TOTALS: tl.constexpr):
-    """Adds a group's ``total`` into the totals ``sums_ptr[N]`` (``ATOMIC_TOTALS``), or stores it as row ``group``
-    of ``sums_ptr[groups, N]`` (row stride ``stride``)."""
+def put_group_sum(sums_ptr, stride, group, total, offsets, mask, ATOMIC_TOTALS: tl.constexpr):
+    """Adds a group's ``total`` (at ``offsets``, as :func:`sum_partials`) into the totals ``sums_ptr[N]``
+    (``ATOMIC_TOTALS``), or stores it in row ``group`` of ``sums_ptr[groups, N]`` (row stride ``stride``)."""
     if ATOMIC_TOTALS:
-        tl.atomic_add(sums_ptr + cols, total, mask=mask, sem="relaxed")
+        tl.atomic_add(sums_ptr + offsets, total, mask=mask, sem="relaxed")
     else:
-        tl.store(sums_ptr + group * stride + cols, total, mask=mask)
+        tl.store(sums_ptr + group * stride + offsets, total, mask=mask)
 
 
 class GroupSums:

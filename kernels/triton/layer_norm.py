@@ -169,9 +169,12 @@ def _ln_bwd_kernel(
     first_pid = group * GROUP
     size = tl.minimum(GROUP, tl.num_programs(0) - first_pid)
     if arrived_last(count_ptr + group, size):
-        for k in tl.static_range(SUMS):
-            total = sum_partials(partial_ptr + k * N, stride, first_pid, size, cols, col_mask, BLOCK_N)
-            put_group_sum(group_ptr + k * N, stride, group, total, cols, col_mask, ATOMIC_TOTALS)
+        # The SUMS rows as one [4, BLOCK_N] block (rows past SUMS masked off).
+        k = tl.arange(0, 4)
+        offsets = k[:, None] * N + cols[None, :]
+        mask = (k < SUMS)[:, None] & col_mask[None, :]
+        total = sum_partials(partial_ptr, stride, first_pid, size, offsets, mask)
+        put_group_sum(group_ptr, stride, group, total, offsets, mask, ATOMIC_TOTALS)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.group_sums import arrived_last, sum_partials
+from kernels.triton.group_sums import arrived_last
 from kernels.triton.per_batch import per_batch
 
 # Token tile x column block: rows cut into chunks of 128 tokens give a batch of a few long rows (4,096-event
@@ -131,13 +131,19 @@ def _modulate_bwd_kernel(
     last = chunks == 1
     if chunks > 1:
         tl.store(partial_ptr + chunk * 3 * N + cols, sum_scale, mask=col_ok)
-        tl.store(partial_ptr + chunk * 3 * N + N + cols, sum_shift, mask=col_ok)
-        tl.store(partial_ptr + chunk * 3 * N + 2 * N + cols, sum_bias, mask=col_ok)
+        tl.store(partial_ptr + (chunk * 3 + 1) * N + cols, sum_shift, mask=col_ok)
+        tl.store(partial_ptr + (chunk * 3 + 2) * N + cols, sum_bias, mask=col_ok)
         last = arrived_last(count_ptr + row * tl.num_programs(1) + tl.program_id(1), chunks)
-        if last:  # the row's sums in chunk order, whichever chunk finished last
-            sum_scale = sum_partials(partial_ptr, 3 * N, first_chunk, chunks, cols, col_ok, BLOCK_N)
-            sum_shift = sum_partials(partial_ptr + N, 3 * N, first_chunk, chunks, cols, col_ok, BLOCK_N)
-            sum_bias = sum_partials(partial_ptr + 2 * N, 3 * N, first_chunk, chunks, cols, col_ok, BLOCK_N)
+        if last:
+            sum_scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            sum_shift = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            sum_bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for c in range(first_chunk, first_chunk + chunks):  # chunk order, whichever finished last
+                sum_scale += tl.load(partial_ptr + c * 3 * N + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+                sum_shift += tl.load(partial_ptr + (c * 3 + 1) * N + cols, mask=col_ok, other=0.0,
+                                     cache_modifier=".cg")
+                sum_bias += tl.load(partial_ptr + (c * 3 + 2) * N + cols, mask=col_ok, other=0.0,
+                                    cache_modifier=".cg")
     if last:
         tl.store(dscale_ptr + row * N + cols, sum_scale.to(dscale_ptr.dtype.element_ty), mask=col_ok)
         tl.store(dshift_ptr + row * N + cols, sum_shift.to(dshift_ptr.dtype.element_ty), mask=col_ok)

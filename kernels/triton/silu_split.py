@@ -86,7 +86,7 @@ def _silu_bwd_kernel(
         first = group * GROUP
         size = tl.minimum(GROUP, tl.num_programs(0) - first)
         if arrived_last(count_ptr + group * stride_count + tl.program_id(1), size):
-            total = sum_partials(partial_ptr, stride_partial, first, size, cols, cols_ok, BLOCK_N)
+            total = sum_partials(partial_ptr, stride_partial, first, size, cols, cols_ok)
             put_group_sum(sums_ptr, stride_sums, group, total, cols, cols_ok, ATOMIC_TOTALS)
 
 
