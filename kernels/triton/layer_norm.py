@@ -10,11 +10,9 @@ GEMM; here one pass reads ``x`` (and the gate) and writes ``y`` in bf16 once. Th
 block's ``u``) is read as its pre-activation and activated here, ``silu(pre + bias)`` in float32, and its backward
 writes the pre-activation's gradient (into the projection's, where the gate's ``GateGrad`` says) and sums the gate
 bias's beside the weight's: the split SiLU neither writes the gate nor runs its backward. The weight and bias gradients are
-per-program float32 partial sums over a block of rows. The last program of each group of ``GROUP`` to finish
-(an atomic count) adds its group's partials in program order, then adds that into the totals with float atomics,
-so no reduction over the groups is left for a kernel launch of its own after every call. With
-``GEM_KERNELS_DETERMINISTIC=1`` each group's sum is stored instead and the host sums the groups in order, so the
-gradients do not depend on which group finished first.
+per-program float32 partial sums over a block of rows, added by the last program of each group to finish
+(:mod:`kernels.triton.group_sums`): no reduction over the programs in a kernel launch of its own after every call,
+and with ``GEM_KERNELS_DETERMINISTIC=1`` gradients that do not depend on which group finished first.
 
 ``residual_layer_norm``: ``s = x + branch``, ``y = LN(s)``, both written by one pass that reads ``x`` and the
 branch (a block's output added to the float32 residual stream, normalised for the next block). Eager writes
@@ -36,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import settings
 from kernels.glue import SiluGate
+from kernels.triton.group_sums import GroupSums, arrived_last, put_group_sum, sum_partials
 
 MAX_N = 16384
 
@@ -104,10 +102,10 @@ def _ln_bwd_kernel(
     ATOMIC_TOTALS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``partial_ptr``: ``[programs, SUMS, N]`` float32 (each program's dw, db and, with a branch bias or a gate
-    bias, that bias's gradient: the sum's, or the gate's pre-activation's); ``group_ptr``: ``ATOMIC_TOTALS``:
-    ``[SUMS, N]`` float32 zeros, the totals; else ``[groups, SUMS, N]``, each group's sums; ``count_ptr``:
-    ``[groups]`` int32 zeros. ``dg_ptr``: with ``GATE_SILU`` the pre-activation's gradient.
+    """``partial_ptr``, ``group_ptr``, ``count_ptr``: a :class:`~kernels.triton.group_sums.GroupSums` of
+    ``SUMS * N`` columns: each program's dw, db and, with a branch bias or a gate bias, that bias's gradient (the
+    sum's, or the gate's pre-activation's) side by side. ``dg_ptr``: with ``GATE_SILU`` the pre-activation's
+    gradient.
 
     Each program walks its ``rows_per_program`` rows ``ROWS`` at a time as one ``[ROWS, BLOCK_N]`` tile: a thread
     holds the same columns of every row of the tile, so the column sums it adds into ``dw``/``db`` stay in its
@@ -162,35 +160,21 @@ def _ln_bwd_kernel(
             tl.store(dr_ptr + r * stride_dr + c, dx.to(dr_ptr.dtype.element_ty), mask=mask)
         if HAS_BRANCH_BIAS:
             dbb += tl.sum(dx, axis=0)
-    tl.store(partial_ptr + pid * SUMS * N + cols, dw, mask=col_mask)
-    tl.store(partial_ptr + (pid * SUMS + 1) * N + cols, db, mask=col_mask)
+    stride = SUMS * N
+    tl.store(partial_ptr + pid * stride + cols, dw, mask=col_mask)
+    tl.store(partial_ptr + pid * stride + N + cols, db, mask=col_mask)
     if SUMS == 3:
-        tl.store(partial_ptr + (pid * SUMS + 2) * N + cols, dbb, mask=col_mask)
-    # Every thread's partial stored before the count is raised (which releases them to the group's last program).
-    tl.debug_barrier()
+        tl.store(partial_ptr + pid * stride + 2 * N + cols, dbb, mask=col_mask)
     group = pid // GROUP
     first_pid = group * GROUP
     size = tl.minimum(GROUP, tl.num_programs(0) - first_pid)
-    arrived = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
-    if arrived == size - 1:
-        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        dbb = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for p in range(first_pid, first_pid + size):  # program order, whichever finished last
-            dw += tl.load(partial_ptr + p * SUMS * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
-            db += tl.load(partial_ptr + (p * SUMS + 1) * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
-            if SUMS == 3:
-                dbb += tl.load(partial_ptr + (p * SUMS + 2) * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
-        if ATOMIC_TOTALS:
-            tl.atomic_add(group_ptr + cols, dw, mask=col_mask, sem="relaxed")
-            tl.atomic_add(group_ptr + N + cols, db, mask=col_mask, sem="relaxed")
-            if SUMS == 3:
-                tl.atomic_add(group_ptr + 2 * N + cols, dbb, mask=col_mask, sem="relaxed")
-        else:
-            tl.store(group_ptr + group * SUMS * N + cols, dw, mask=col_mask)
-            tl.store(group_ptr + (group * SUMS + 1) * N + cols, db, mask=col_mask)
-            if SUMS == 3:
-                tl.store(group_ptr + (group * SUMS + 2) * N + cols, dbb, mask=col_mask)
+    if arrived_last(count_ptr + group, size):
+        # The SUMS rows as one [4, BLOCK_N] block (rows past SUMS masked off).
+        k = tl.arange(0, 4)
+        offsets = k[:, None] * N + cols[None, :]
+        mask = (k < SUMS)[:, None] & col_mask[None, :]
+        total = sum_partials(partial_ptr, stride, first_pid, size, offsets, mask)
+        put_group_sum(group_ptr, stride, group, total, offsets, mask, ATOMIC_TOTALS)
 
 
 def _rows_2d(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -263,33 +247,24 @@ def _backward(
         dg = dg_out if dg_out is not None else torch.empty(m, n, device=x2.device, dtype=gate_dtype)
     rows_per_program = max(1, triton.cdiv(triton.cdiv(m, _num_programs(m, x2.device)), BWD_ROWS)) * BWD_ROWS
     programs = max(1, triton.cdiv(m, rows_per_program))
-    groups = triton.cdiv(programs, BWD_GROUP)
-    # Each program's partial sums of dw, db (and the residual bias's or the gate bias's gradient) lie side by side;
-    # the groups' sums go into the totals by atomics, or are stored per group and summed here (deterministic).
+    # Each program's partial sums of dw, db (and the residual bias's or the gate bias's gradient) lie side by side.
     third_dtype = residual_bias_dtype if gate_bias is None else gate_bias.dtype
     sums = 2 if third_dtype is None else 3
-    partial = torch.empty(programs, sums, n, device=x2.device, dtype=torch.float32)
-    atomic = not settings.deterministic()
-    if atomic:  # one zero fill for the groups' arrival counts and, 16-byte aligned after them, the totals
-        counts_len = triton.cdiv(groups, 4) * 4
-        zeroed = torch.zeros(counts_len + sums * n, device=x2.device, dtype=torch.int32)
-        counts, group_sums = zeroed[:groups], zeroed[counts_len:].view(torch.float32).view(sums, n)
-    else:
-        counts = torch.zeros(groups, device=x2.device, dtype=torch.int32)
-        group_sums = (torch.empty if m else torch.zeros)(groups, sums, n, device=x2.device, dtype=torch.float32)
+    group_sums = GroupSums(programs, BWD_GROUP, sums * n, x2.device)
     block_n = triton.next_power_of_2(max(n, 1))
     if m:
         _ln_bwd_kernel[(programs,)](
             dy2, x2, weight, bias, _or(g2, x2), _or(gate_bias, weight), _or(m2, x2), mean, rstd, _or(ds2, dy2), dx,
-            _or(dr, dx), _or(dg, dx), partial, group_sums, counts, m, n,
+            _or(dr, dx), _or(dg, dx), group_sums.partial, group_sums.sums, group_sums.counts, m, n,
             rows_per_program, dy2.stride(0), x2.stride(0), _stride(g2), _stride(m2), _stride(ds2),
             dx.stride(0), _stride(dr), _stride(dg), scale, keep_scale,
             HAS_GATE=g2 is not None, GATE_SILU=gate_silu, HAS_GATE_BIAS=gate_bias is not None,
             HAS_DROPOUT=m2 is not None, HAS_STREAM_GRAD=ds2 is not None, HAS_RESIDUAL=dr is not None,
-            HAS_BRANCH_BIAS=residual_bias_dtype is not None, SUMS=sums, ATOMIC_TOTALS=atomic, GROUP=BWD_GROUP,
-            ROWS=BWD_ROWS, STAGES=BWD_STAGES, BLOCK_N=block_n, num_warps=min(BWD_WARPS, _num_warps(block_n)),
+            HAS_BRANCH_BIAS=residual_bias_dtype is not None, SUMS=sums, ATOMIC_TOTALS=group_sums.atomic,
+            GROUP=BWD_GROUP, ROWS=BWD_ROWS, STAGES=BWD_STAGES, BLOCK_N=block_n,
+            num_warps=min(BWD_WARPS, _num_warps(block_n)),
         )
-    totals = group_sums if atomic else group_sums.sum(0)
+    totals = group_sums.total().view(sums, n)
     dthird = totals[2].to(third_dtype) if sums == 3 else None
     return dx, dr, totals[0].to(weight.dtype), totals[1].to(bias.dtype), dg, dthird
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.group_sums import arrived_last
 from kernels.triton.per_batch import per_batch
 
 # Token tile x column block: rows cut into chunks of 128 tokens give a batch of a few long rows (4,096-event
@@ -132,10 +133,7 @@ def _modulate_bwd_kernel(
         tl.store(partial_ptr + chunk * 3 * N + cols, sum_scale, mask=col_ok)
         tl.store(partial_ptr + (chunk * 3 + 1) * N + cols, sum_shift, mask=col_ok)
         tl.store(partial_ptr + (chunk * 3 + 2) * N + cols, sum_bias, mask=col_ok)
-        # Every thread's partial stored before the count is raised (which releases them to the row's last chunk).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + row * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
-        last = arrived == chunks - 1
+        last = arrived_last(count_ptr + row * tl.num_programs(1) + tl.program_id(1), chunks)
         if last:
             sum_scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
             sum_shift = tl.zeros((BLOCK_N,), dtype=tl.float32)

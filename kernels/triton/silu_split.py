@@ -8,11 +8,10 @@ of ``h``, and its columns of ``dh`` are written once: the concatenation's read a
 gradient (unused) has its columns of ``dh`` zero-filled.
 
 With a ``bias`` (the projection's, left out of its GEMM) the kernels add it in float32 before the SiLU, and the
-backward sums the bias gradient as the LayerNorm's backward sums its weight's (:mod:`kernels.triton.layer_norm`):
+backward sums the bias gradient as the LayerNorm's backward sums its weight's (:mod:`kernels.triton.group_sums`):
 each program stores its row tile's column sums of ``dh``, and the last of each group of ``GROUP`` row tiles to finish
-(an atomic count per group and column tile) adds the group's in row order into float32 totals by atomics, or, with
-``GEM_KERNELS_DETERMINISTIC=1``, stores them per group for the host to add in order. No reduction over the whole
-``[L, N]`` gradient, and none of the partial sums in a launch of its own.
+(an arrival count per group and column tile) adds the group's in row order. No reduction over the whole ``[L, N]``
+gradient, and none of the partial sums in a launch of its own.
 
 ``gate_first`` (the HSTU block's ``u``, which only gates the attention's norm): the gate's columns are neither
 activated nor written here; the gated norm (:mod:`kernels.triton.layer_norm`) activates them as it reads them and
@@ -24,14 +23,12 @@ Works on triton 3.6 and 3.9, and on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import settings
 from kernels.glue import GateGrad, SiluGate
+from kernels.triton.group_sums import GroupSums, arrived_last, put_group_sum, sum_partials
 
 # A 32 x 128 tile per program, rows in contiguous 256-byte (bf16) runs: at the `large` teacher's shapes its
 # backward beat 16 x 256 tiles (docs/benchmarks.md, session 28); fixed, so it compiles once. Module constants, so
@@ -85,20 +82,12 @@ def _silu_bwd_kernel(
         tile = tl.program_id(0)
         cols_ok = cols < N
         tl.store(partial_ptr + tile * stride_partial + cols, tl.sum(dh, axis=0), mask=cols_ok)
-        # Every thread's sums stored before the count is raised (which releases them to the group's last program).
-        tl.debug_barrier()
         group = tile // GROUP
         first = group * GROUP
         size = tl.minimum(GROUP, tl.num_programs(0) - first)
-        arrived = tl.atomic_add(count_ptr + group * stride_count + tl.program_id(1), 1, sem="acq_rel")
-        if arrived == size - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for t in range(first, first + size):  # row order, whichever tile finished last
-                total += tl.load(partial_ptr + t * stride_partial + cols, mask=cols_ok, other=0.0, cache_modifier=".cg")
-            if ATOMIC_TOTALS:
-                tl.atomic_add(sums_ptr + cols, total, mask=cols_ok, sem="relaxed")
-            else:
-                tl.store(sums_ptr + group * stride_sums + cols, total, mask=cols_ok)
+        if arrived_last(count_ptr + group * stride_count + tl.program_id(1), size):
+            total = sum_partials(partial_ptr, stride_partial, first, size, cols, cols_ok)
+            put_group_sum(sums_ptr, stride_sums, group, total, cols, cols_ok, ATOMIC_TOTALS)
 
 
 def _grid(m: int, n: int) -> tuple[int, int]:
@@ -160,33 +149,18 @@ class _SiluSplitFn(torch.autograd.Function):
         return dh, None if sums is None else sums.total().to(bias.dtype), None, None
 
 
-class _BiasSums:
-    """The backward's bias-gradient buffers: ``[row tiles, N]`` float32 partial sums, per (group of ``GROUP`` row
-    tiles, column tile of a part) an arrival count, and the totals (``[N]``, by atomics) or each group's sums
-    (``[groups, N]``, deterministic), zero-filled in one launch with the counts."""
+class _BiasSums(GroupSums):
+    """The backward's bias-gradient sums over its row tiles (``N`` the parts' widths in all), an arrival count per
+    group and column tile of every part."""
 
     def __init__(self, m: int, widths: tuple[int, ...], device: torch.device) -> None:
-        row_tiles = triton.cdiv(m, BLOCK_M)
-        groups = triton.cdiv(row_tiles, GROUP)
         tiles = [triton.cdiv(w, BLOCK_N) for w in widths]
-        n = sum(widths)
-        self.atomic = not settings.deterministic()
-        sums_shape = (n,) if self.atomic else (max(groups, 1), n)
-        # The counts, then (16-byte aligned) the sums, in one zero fill.
-        counts_len = triton.cdiv(groups * sum(tiles), 4) * 4
-        zeroed = torch.zeros(counts_len + math.prod(sums_shape), device=device, dtype=torch.int32)
-        self.counts = zeroed[: groups * sum(tiles)].view(groups, sum(tiles))
-        self.sums = zeroed[counts_len:].view(torch.float32).view(sums_shape)
-        self.partial = torch.empty(row_tiles, n, device=device, dtype=torch.float32)
+        super().__init__(triton.cdiv(m, BLOCK_M), GROUP, sum(widths), device, count_columns=sum(tiles))
         self.tile_starts = [sum(tiles[:i]) for i in range(len(widths))]
 
     def part(self, index: int, cols: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(partial, sums, counts)`` of part ``index`` (its columns ``cols``), as its launch indexes them."""
         return self.partial[:, cols], self.sums[..., cols], self.counts[:, self.tile_starts[index]:]
-
-    def total(self) -> torch.Tensor:
-        """``[N]`` float32: the bias gradient."""
-        return self.sums if self.atomic else self.sums.sum(0)
 
 
 def silu_split(h, widths, bias=None, *, gate_first=False):
