@@ -4,8 +4,8 @@ On the `debug` recipe's world, for training seeds 0, 1 and 2 (DLRM, teacher and 
 GEM teacher beats the DLRM baseline, which beats the student alone, in test click NE, and the distilled
 student (the recipe's ``distilled`` method) beats the student alone. The models are the quickstart's, trained
 as it trains them; of the students only the two compared are trained (one student seed per training seed).
-The seeds train side by side in their own processes, one thread each (the debug models are too small to
-keep two threads busy; on a two-core machine the three seeds take ~0.65 of their time one after another).
+The seeds train side by side in their own processes, one thread each: the debug models are too small to keep two
+threads busy, and the module is among the suite's longest (docs/benchmarks.md, "Test suite time").
 """
 
 from __future__ import annotations
